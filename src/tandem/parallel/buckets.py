@@ -1,0 +1,120 @@
+"""Bucket layout: which gradients travel together in one all-reduce. Pure: no communication.
+
+A bucket is one flat buffer holding the gradients of several parameters of the same dtype and
+device. Reducing a few large buffers costs far less than many small ones (each collective has a
+fixed latency), and a bucket can be sent as soon as its last gradient is ready, while backward is
+still computing the gradients of earlier layers: that is where the overlap comes from.
+
+Example::
+
+    >>> layout = assign_buckets(
+    ...     sizes=[400, 400, 400, 400], keys=["f32"] * 4, order=[3, 2, 1, 0],
+    ...     cap_bytes=1000, first_cap_bytes=500)
+    >>> layout
+    [[3, 2], [1, 0]]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+MIB = 1024 * 1024
+
+
+def assign_buckets(
+    sizes: Sequence[int],
+    keys: Sequence[Hashable],
+    order: Sequence[int],
+    cap_bytes: int,
+    first_cap_bytes: int,
+) -> list[list[int]]:
+    """Group tensor indices into buckets, in the order the buckets will be launched.
+
+    Args:
+        sizes: bytes of each tensor, indexed by tensor index.
+        keys: a bucket only holds tensors of one key (dtype and device).
+        order: the order in which gradients are expected to become ready. At first this is the
+            reverse of registration order (backward visits the last layers first); after one
+            iteration it is the order that was observed.
+        cap_bytes: a bucket is closed once it holds at least this many bytes.
+        first_cap_bytes: the cap of the first bucket of each key (kept small: see the reducer
+            for where that small bucket goes).
+
+    Returns:
+        Lists of tensor indices. Buckets are ordered by when their first gradient is expected,
+        so launching them in list order follows backward.
+    """
+    if cap_bytes <= 0 or first_cap_bytes <= 0:
+        raise ValueError(
+            f"bucket caps must be positive, got cap_bytes={cap_bytes}, "
+            f"first_cap_bytes={first_cap_bytes}"
+        )
+    if sorted(order) != list(range(len(sizes))) or len(keys) != len(sizes):
+        raise ValueError(
+            f"order must be a permutation of range({len(sizes)}) and keys must have "
+            f"{len(sizes)} entries; got order of length {len(order)}, {len(keys)} keys"
+        )
+    position = {index: pos for pos, index in enumerate(order)}
+    open_buckets: dict[Hashable, list[int]] = {}
+    open_bytes: dict[Hashable, int] = {}
+    closed_count: dict[Hashable, int] = {}
+    done: list[list[int]] = []
+    for index in order:
+        key = keys[index]
+        bucket = open_buckets.setdefault(key, [])
+        bucket.append(index)
+        open_bytes[key] = open_bytes.get(key, 0) + sizes[index]
+        cap = first_cap_bytes if closed_count.get(key, 0) == 0 else cap_bytes
+        # Close after adding, as torch does: a tensor larger than the cap gets a bucket of its
+        # own instead of being split.
+        if open_bytes[key] >= cap:
+            done.append(open_buckets.pop(key))
+            open_bytes[key] = 0
+            closed_count[key] = closed_count.get(key, 0) + 1
+    done.extend(bucket for bucket in open_buckets.values() if bucket)
+    done.sort(key=lambda bucket: position[bucket[0]])
+    return done
+
+
+@dataclass(eq=False)
+class Bucket:
+    """One bucket at run time: its flat buffer and a view of it per parameter.
+
+    ``flat`` may hold one element more than the gradients (``extra``): the reducer keeps a
+    health flag there, so that a rank's missing gradients are known to every rank through the
+    same all-reduce, at no extra collective.
+    """
+
+    index: int
+    params: list[int]
+    flat: torch.Tensor
+    views: list[torch.Tensor]
+    numel: int
+    pending: int = field(default=0)
+
+    @property
+    def buffer(self) -> torch.Tensor:
+        """The gradients' part of ``flat`` (what a communication hook sees)."""
+        return self.flat if self.flat.numel() == self.numel else self.flat[: self.numel]
+
+
+def build_buckets(
+    layout: Sequence[Sequence[int]], params: Sequence[torch.Tensor], extra_last: int = 0
+) -> list[Bucket]:
+    """Allocate a zeroed flat buffer per bucket and carve one view per parameter out of it."""
+    buckets = []
+    for b, indices in enumerate(layout):
+        first = params[indices[0]]
+        numel = sum(params[i].numel() for i in indices)
+        extra = extra_last if b == len(layout) - 1 else 0
+        flat = torch.zeros(numel + extra, dtype=first.dtype, device=first.device)
+        views, offset = [], 0
+        for i in indices:
+            n = params[i].numel()
+            views.append(flat[offset : offset + n].view(params[i].shape))
+            offset += n
+        buckets.append(Bucket(b, list(indices), flat, views, numel))
+    return buckets

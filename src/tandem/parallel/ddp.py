@@ -1,0 +1,214 @@
+"""DistributedDataParallel: one process per device, gradients averaged during backward.
+
+The life of a wrapped model:
+
+1. Construction: check that every rank built the same parameters (an error on every rank, not
+   a hang, when they differ), then broadcast rank 0's parameters and buffers so that all
+   replicas start identical, and attach the gradient reducer (``reducer.py``).
+2. Each forward: rebuild the buckets once (second iteration), broadcast rank 0's buffers
+   (BatchNorm statistics) so that every replica normalizes alike, run the module, and tell the
+   reducer a backward is coming.
+3. Backward: the reducer all-reduces buckets of gradients while backward continues; when it
+   returns, every ``.grad`` holds the mean over ranks, and any optimizer takes the same step on
+   every rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tandem.parallel.comm_hooks import CommHook, group_size
+from tandem.parallel.reducer import FIRST_BUCKET_MB, Reducer
+from tandem.parallel.replicas import broadcast_coalesced, verify_same_parameters
+
+
+class DistributedDataParallel(nn.Module):
+    """Data parallelism across processes, with torch's DDP arguments, written in Python.
+
+    Args:
+        module: the model; the same on every rank (checked).
+        device_ids: ``None`` (CPU, or a module already on its device) or ``[device]``, the one
+            device of this process's module; inputs are moved there before forward.
+        output_device: accepted for compatibility; outputs stay where the module puts them.
+        dim: accepted for compatibility (the batch dimension is the user's to split).
+        broadcast_buffers: broadcast rank 0's buffers before every forward in grad mode.
+        process_group: the group to average over (default: the whole world).
+        bucket_cap_mb: gradients are reduced in buckets of about this many MiB.
+        find_unused_parameters: detect, every iteration, the parameters the outputs do not
+            depend on, so that backward never waits for their gradients.
+        gradient_as_bucket_view: ``.grad`` tensors are views into the bucket buffers: no copy
+            in or out, and less memory.
+        comm_hook: ``hook(state, bucket) -> Future``; see ``tandem.parallel.comm_hooks``.
+        comm_state: the ``state`` passed to ``comm_hook`` (default: ``process_group``).
+        first_bucket_cap_mb: cap of the first bucket, small so that communication starts early.
+
+    Example::
+
+        tandem.init()
+        model = tandem.DDP(Net().to(tandem.world().device))
+        for x, y in loader:
+            loss = F.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()          # .grad = mean over ranks
+            opt.step()
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        device_ids: Sequence[int | str | torch.device] | None = None,
+        output_device: int | str | torch.device | None = None,
+        dim: int = 0,
+        broadcast_buffers: bool = True,
+        process_group: dist.ProcessGroup | None = None,
+        bucket_cap_mb: float | None = 25.0,
+        find_unused_parameters: bool = False,
+        gradient_as_bucket_view: bool = False,
+        comm_hook: CommHook | None = None,
+        comm_state: Any = None,
+        first_bucket_cap_mb: float = FIRST_BUCKET_MB,
+    ) -> None:
+        super().__init__()
+        if device_ids is not None and len(device_ids) != 1:
+            raise ValueError(
+                f"device_ids={list(device_ids)}: tandem.DDP drives one device per process; "
+                "pass device_ids=[local_rank] (or None) and start one process per device"
+            )
+        if bucket_cap_mb is not None and bucket_cap_mb <= 0:
+            raise ValueError(f"bucket_cap_mb={bucket_cap_mb} must be positive")
+        self.module = module
+        self.device = torch.device(device_ids[0]) if device_ids else None
+        if isinstance(device_ids, Sequence) and device_ids and isinstance(device_ids[0], int):
+            self.device = torch.device("cuda", device_ids[0])
+        self.output_device = output_device
+        self.dim = dim
+        self.broadcast_buffers = broadcast_buffers
+        self.process_group = process_group
+        self.find_unused_parameters = find_unused_parameters
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.require_backward_grad_sync = True
+
+        named = list(module.named_parameters())
+        # 1. Same model everywhere, then rank 0's values everywhere.
+        verify_same_parameters(named, process_group)
+        self._buffers_to_sync = list(module.buffers())
+        self.sync_params_and_buffers()
+
+        trainable = [(n, p) for n, p in named if p.requires_grad]
+        self.reducer = Reducer(
+            [p for _, p in trainable],
+            [n for n, _ in trainable],
+            group=process_group,
+            bucket_cap_mb=25.0 if bucket_cap_mb is None else bucket_cap_mb,
+            first_bucket_cap_mb=first_bucket_cap_mb,
+            find_unused_parameters=find_unused_parameters,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+        )
+        if comm_hook is not None:
+            self.register_comm_hook(process_group if comm_state is None else comm_state, comm_hook)
+
+    @property
+    def world_size(self) -> int:
+        """Ranks averaged over."""
+        return group_size(self.process_group)
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        """Run the module; with grad enabled, arm the reducer for the coming backward."""
+        training = torch.is_grad_enabled() and bool(self.reducer.params)
+        if training:
+            self.reducer.rebuild()
+            # Buffers come from rank 0 before the forward that uses them: otherwise each
+            # replica's BatchNorm drifts to its own data's statistics.
+            if self.broadcast_buffers:
+                broadcast_coalesced(self._buffers_to_sync, self.process_group)
+        if self.device is not None:
+            inputs, kwargs = _to_device((inputs, kwargs), self.device)
+        output = self.module(*inputs, **kwargs)
+        if training:
+            self.reducer.prepare(output, sync=self.require_backward_grad_sync)
+        return output
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally; the first backward after the block averages the sum.
+
+        Example::
+
+            with model.no_sync():
+                for x, y in micro_batches[:-1]:
+                    loss_fn(model(x), y).backward()    # no communication
+            loss_fn(model(last_x), last_y).backward()  # one all-reduce of the sum
+        """
+        previous = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = previous
+
+    def register_comm_hook(self, state: Any, hook: CommHook) -> None:
+        """Replace the default mean all-reduce with ``hook(state, bucket) -> Future``.
+
+        Example::
+
+            from tandem.parallel.comm_hooks import bf16_compress_hook
+            model.register_comm_hook(None, bf16_compress_hook)
+        """
+        if not callable(hook):
+            raise ValueError(f"hook={hook!r} is not callable: pass hook(state, bucket) -> Future")
+        self.reducer.hook = hook
+        self.reducer.hook_state = state
+
+    def sync_params_and_buffers(self) -> None:
+        """Overwrite parameters and buffers with rank 0's (e.g. before a final evaluation).
+
+        Example::
+
+            model.sync_params_and_buffers()
+            evaluate(model)
+        """
+        tensors = [p.data for p in self.module.parameters()] + list(self.module.buffers())
+        broadcast_coalesced(tensors, self.process_group)
+
+
+DDP = DistributedDataParallel
+
+
+def drop_zero_grads(model: nn.Module) -> int:
+    """Set ``.grad`` to None where it is all zeros; return how many were dropped.
+
+    After tandem.DDP a parameter that took no part in a step on this rank still gets the mean
+    gradient, and where no rank used it that mean is zeros. SGD with weight decay or momentum,
+    and Adam, would still move such a parameter; with ``.grad = None`` the optimizer skips it,
+    so a sub-network that sat out the step is left exactly as it was.
+
+    Example::
+
+        loss.backward()
+        tandem.drop_zero_grads(model)
+        optimizer.step()
+    """
+    dropped = 0
+    for p in model.parameters():
+        if p.grad is not None and not p.grad.any():
+            p.grad = None
+            dropped += 1
+    return dropped
+
+
+def _to_device(obj: Any, device: torch.device) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, non_blocking=True)
+    if isinstance(obj, tuple):
+        return tuple(_to_device(x, device) for x in obj)
+    if isinstance(obj, list):
+        return [_to_device(x, device) for x in obj]
+    if isinstance(obj, dict):
+        return {k: _to_device(v, device) for k, v in obj.items()}
+    return obj
