@@ -122,6 +122,7 @@ class DistributedDataParallel(nn.Module):
         """Run the module; with grad enabled, arm the reducer for the coming backward."""
         training = torch.is_grad_enabled() and bool(self.reducer.params)
         if training:
+            self.reducer.check_previous_step()
             self.reducer.rebuild()
             # Buffers come from rank 0 before the forward that uses them: otherwise each
             # replica's BatchNorm drifts to its own data's statistics.

@@ -90,6 +90,9 @@ class Reducer:
         self.finalize_queued = False
         self.unused: list[int] = []
         self.used = [False] * len(self.params)  # survives no_sync iterations, as torch's map
+        self._flag_host: torch.Tensor | None = None
+        self._flag_event: Any = None
+        self._missing: list[int] = []
 
     # -- layout ---------------------------------------------------------------------------
 
@@ -109,10 +112,13 @@ class Reducer:
     def _install(self, layout: list[list[int]]) -> None:
         # One spare element in the last bucket carries the missing-gradient flag (see _finalize).
         self.buckets: list[Bucket] = build_buckets(layout, self.params, extra_last=1)
-        self.where = [(0, 0)] * len(self.params)
-        for bucket in self.buckets:
-            for slot, i in enumerate(bucket.params):
-                self.where[i] = (bucket.index, slot)
+        where = {
+            i: (bucket.index, slot)
+            for bucket in self.buckets
+            for slot, i in enumerate(bucket.params)
+        }
+        self.where = [where[i] for i in range(len(self.params))]
+        self.views = [self.buckets[b].views[slot] for b, slot in self.where]
         if self.as_view:
             for bucket in self.buckets:
                 for slot, i in enumerate(bucket.params):
@@ -246,8 +252,9 @@ class Reducer:
     def _finalize(self) -> None:
         self.mode = None
         self.finalize_queued = False
-        missing = [i for i, m in enumerate(self.marked) if not m]
-        if missing:
+        missing: list[int] = []
+        if self.num_marked < len(self.params):
+            missing = [i for i, m in enumerate(self.marked) if not m]
             # Launch what is left, with zeros for the missing gradients, so that no rank waits
             # on a collective this rank would never issue; the flag in the last bucket (the
             # count of missing gradients, summed over ranks) tells every rank what happened.
@@ -263,26 +270,53 @@ class Reducer:
                 result = result[0]
             if result.data_ptr() != bucket.flat.data_ptr():
                 bucket.buffer.copy_(result[: bucket.numel])
-        if float(self.buckets[-1].flat[-1]) != 0:
-            self._raise_missing(missing)
+        self._check_flag(missing)
 
         used = self.used
         if self.find_unused and self.world_size > 1:
             t = torch.tensor(used, dtype=torch.int32, device=self.params[0].device)
             dist.all_reduce(t, group=self.group)
             used = [bool(u) for u in t.tolist()]
-        for i, p in enumerate(self.params):
-            b, slot = self.where[i]
-            view = self.buckets[b].views[slot]
-            if self.as_view:
-                if p.grad is None and used[i]:
-                    p.grad = view
-            elif p.grad is not None:
-                p.grad.copy_(view)
-            elif used[i]:
-                # Unused here but used on another rank: this rank still steps with the mean.
-                p.grad = view.clone()
         self.used = [False] * len(self.params)
+        grads, means = [], []
+        for p, view, was_used in zip(self.params, self.views, used, strict=True):
+            if p.grad is None:
+                if was_used:
+                    # Unused here but used on another rank: this rank steps with the mean too.
+                    p.grad = view if self.as_view else view.clone()
+            elif p.grad is not view:
+                grads.append(p.grad)
+                means.append(view)
+        if grads:
+            torch._foreach_copy_(grads, means)  # one call, not one per parameter
+
+    def _check_flag(self, missing: list[int]) -> None:
+        """Raise on every rank if any rank missed gradients (the flag is their summed count).
+
+        On the CPU the flag is read at once and the error comes out of backward. On a GPU,
+        reading it here would make the CPU wait for the GPU every step; it is copied to host
+        memory in the background instead and read at the next forward.
+        """
+        flag = self.buckets[-1].flat[-1:]
+        if flag.device.type == "cpu":
+            if flag.item() != 0:
+                self._raise_missing(missing)
+            return
+        if self._flag_host is None:
+            self._flag_host = torch.zeros(1, dtype=flag.dtype, pin_memory=True)
+        self._flag_host.copy_(flag, non_blocking=True)
+        self._flag_event = torch.cuda.Event()
+        self._flag_event.record()
+        self._missing = missing
+
+    def check_previous_step(self) -> None:
+        """Raise the missing-gradient error deferred from the previous backward (GPU only)."""
+        if self._flag_event is None:
+            return
+        self._flag_event.synchronize()
+        self._flag_event = None
+        if self._flag_host is not None and self._flag_host.item() != 0:
+            self._raise_missing(self._missing)
 
     def _raise_missing(self, missing: list[int]) -> None:
         names = [self.names[i] for i in missing]

@@ -1,0 +1,191 @@
+"""tandem.DDP against torch's DDP: training throughput, side by side in the same processes.
+
+Both engines train the same model (same weights, same batches) on WORLD ranks with Gloo on the
+CPU, one intra-op thread per rank. Measurements alternate, A B A B ..., so that drift in the
+machine's load hits both alike; each round is `--steps` steps after the engines have warmed up
+(bucket rebuild included). Reported: median samples/s of each engine over the rounds, and the
+median of the per-pair ratios tandem/torch.
+
+Run::
+
+    python benchmarks/ddp_throughput.py --pairs 7 --steps 30
+    python benchmarks/ddp_throughput.py --device cuda --world 1   # on a GPU machine (NCCL)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+import tandem
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def mlp() -> nn.Module:
+    # 784-1024-1024-1024-10: 2.9 M parameters, the "about 3 M" MLP of the issue
+    return nn.Sequential(
+        nn.Linear(784, 1024),
+        nn.ReLU(),
+        nn.Linear(1024, 1024),
+        nn.ReLU(),
+        nn.Linear(1024, 1024),
+        nn.ReLU(),
+        nn.Linear(1024, 10),
+    )
+
+
+def convnet() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(3, 32, 3, padding=1),
+        nn.BatchNorm2d(32),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(32, 64, 3, padding=1),
+        nn.BatchNorm2d(64),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(64 * 8 * 8, 128),
+        nn.ReLU(),
+        nn.Linear(128, 10),
+    )
+
+
+MODELS = {"mlp": (mlp, (784,), 64), "convnet": (convnet, (3, 32, 32), 32)}
+ENGINES = ("tandem", "torch")
+
+
+def _wrap(engine: str, model: nn.Module, device: torch.device) -> nn.Module:
+    ids = [device.index] if device.type == "cuda" else None
+    if engine == "tandem":
+        return tandem.DDP(model, device_ids=ids)
+    return TorchDDP(model, device_ids=ids)
+
+
+def _round(model, opt, batches, device) -> float:
+    """Seconds for one round of steps, the slowest rank's (the step is as slow as it)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    dist.barrier()
+    start = time.perf_counter()
+    for x, y in batches:
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return elapsed.item()
+
+
+def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world)
+    )
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device, rank) if args.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    report = {}
+    for name in args.models:
+        factory, shape, batch = MODELS[name]
+        g = torch.Generator().manual_seed(rank)
+        batches = [
+            (torch.randn(batch, *shape, generator=g).to(device),
+             torch.randint(0, 10, (batch,), generator=g).to(device))
+            for _ in range(args.steps)
+        ]
+        engines = {}
+        for engine in ENGINES:
+            torch.manual_seed(0)
+            model = _wrap(engine, factory().to(device), device)
+            opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+            _round(model, opt, batches[: args.warmup], device)  # warm-up and bucket rebuild
+            engines[engine] = (model, opt)
+        times: dict[str, list[float]] = {e: [] for e in ENGINES}
+        for pair in range(args.pairs):
+            # A B, then B A: neither engine always runs right after the other's allocations
+            order = ENGINES if pair % 2 == 0 else ENGINES[::-1]
+            for engine in order:
+                model, opt = engines[engine]
+                times[engine].append(_round(model, opt, batches, device))
+        samples = world * batch * args.steps
+        rate = {e: [samples / t for t in times[e]] for e in ENGINES}
+        ratios = [a / b for a, b in zip(rate["tandem"], rate["torch"], strict=True)]
+        report[name] = {
+            "params": sum(p.numel() for p in factory().parameters()),
+            "batch_per_rank": batch,
+            "samples_per_s": {e: statistics.median(rate[e]) for e in ENGINES},
+            "rounds_samples_per_s": rate,
+            "ratio_tandem_over_torch": statistics.median(ratios),
+            "ratios": ratios,
+        }
+    if rank == 0:
+        Path(out).write_text(json.dumps(report))
+    dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--pairs", type=int, default=7)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--json", type=Path, default=RESULTS / "ddp_throughput.json")
+    args = parser.parse_args(argv)
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    tmp = str(args.json) + ".part"
+    mp.spawn(_worker, args=(args.world, port, args, tmp), nprocs=args.world, join=True)
+    report = json.loads(Path(tmp).read_text())
+    os.remove(tmp)
+    device = torch.cuda.get_device_name(0) if args.device == "cuda" else platform.processor()
+    meta = {
+        "world": args.world,
+        "backend": "nccl" if args.device == "cuda" else "gloo",
+        "device": device or platform.machine(),
+        "cpus": os.cpu_count(),
+        "threads_per_rank": args.threads,
+        "pairs": args.pairs,
+        "steps_per_round": args.steps,
+        "torch": torch.__version__,
+    }
+    result = {"meta": meta, "models": report}
+    args.json.write_text(json.dumps(result, indent=2))
+
+    print(f"DDP throughput, {meta['world']} ranks, {meta['backend']}, {meta['device']}, "
+          f"{args.pairs} pairs x {args.steps} steps (median samples/s)")
+    print(f"| model | params | tandem.DDP | torch DDP | tandem/torch |")
+    print("|---|---:|---:|---:|---:|")
+    for name, r in report.items():
+        s = r["samples_per_s"]
+        print(f"| {name} | {r['params'] / 1e6:.2f} M | {s['tandem']:.0f} | {s['torch']:.0f} | "
+              f"{r['ratio_tandem_over_torch']:.3f} |")
+    print(f"JSON: {args.json}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
