@@ -52,11 +52,14 @@ class Printed:
 
 
 def _clean_env() -> dict[str, str]:
-    return {
+    env = {
         k: v
         for k, v in os.environ.items()
         if k not in _TORCHRUN_VARIABLES and not k.startswith(_LAUNCHER_PREFIXES)
     }
+    # CPU and Gloo everywhere: on a machine with one GPU, two ranks cannot have one each.
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    return env
 
 
 def _run(command: list[str], timeout: float) -> Printed:

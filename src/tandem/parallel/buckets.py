@@ -53,9 +53,11 @@ def assign_buckets(
             f"first_cap_bytes={first_cap_bytes}"
         )
     if sorted(order) != list(range(len(sizes))) or len(keys) != len(sizes):
+        shown = list(order) if len(order) <= 20 else f"{list(order[:20])}..."
         raise ValueError(
             f"order must be a permutation of range({len(sizes)}) and keys must have "
-            f"{len(sizes)} entries; got order of length {len(order)}, {len(keys)} keys"
+            f"{len(sizes)} entries; got order of length {len(order)}, {len(keys)} keys: "
+            f"order={shown}"
         )
     position = {index: pos for pos, index in enumerate(order)}
     open_buckets: dict[Hashable, list[int]] = {}
@@ -68,8 +70,8 @@ def assign_buckets(
         bucket.append(index)
         open_bytes[key] = open_bytes.get(key, 0) + sizes[index]
         cap = first_cap_bytes if closed_count.get(key, 0) == 0 else cap_bytes
-        # Close after adding, as torch does: a tensor larger than the cap gets a bucket of its
-        # own instead of being split.
+        # Close after adding, as torch does: a tensor is never split, so a large one closes
+        # (and overfills) the bucket it joins.
         if open_bytes[key] >= cap:
             done.append(open_buckets.pop(key))
             open_bytes[key] = 0

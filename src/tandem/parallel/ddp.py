@@ -80,8 +80,6 @@ class DistributedDataParallel(nn.Module):
                 f"device_ids={list(device_ids)}: tandem.DDP drives one device per process; "
                 "pass device_ids=[local_rank] (or None) and start one process per device"
             )
-        if bucket_cap_mb is not None and bucket_cap_mb <= 0:
-            raise ValueError(f"bucket_cap_mb={bucket_cap_mb} must be positive")
         self.module = module
         self.device = torch.device(device_ids[0]) if device_ids else None
         if isinstance(device_ids, Sequence) and device_ids and isinstance(device_ids[0], int):

@@ -63,8 +63,15 @@ class Reducer:
         self.names = list(names)
         self.group = group
         self.world_size = group_size(group)
-        self.cap_bytes = int(bucket_cap_mb * MIB)
-        self.first_cap_bytes = int(first_bucket_cap_mb * MIB)
+        for name, mb in (
+            ("bucket_cap_mb", bucket_cap_mb),
+            ("first_bucket_cap_mb", first_bucket_cap_mb),
+        ):
+            if not mb > 0:
+                raise ValueError(f"{name}={mb} must be a positive number of MiB")
+        # At least one byte: a tiny cap means one parameter per bucket, not an invalid cap.
+        self.cap_bytes = max(1, int(bucket_cap_mb * MIB))
+        self.first_cap_bytes = max(1, int(first_bucket_cap_mb * MIB))
         self.find_unused = find_unused_parameters
         self.as_view = gradient_as_bucket_view
         self.hook: CommHook | None = None

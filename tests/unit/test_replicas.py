@@ -1,0 +1,192 @@
+"""Replica checks without processes: parameter signatures, their comparison, broadcast chunks.
+
+Proves: ``signature`` lists (name, shape, dtype, requires_grad) in registration order, frozen and
+float64 parameters included. ``first_difference`` returns None exactly when every rank's
+signature is the same, and otherwise describes the first differing parameter: its name and
+index, rank 0's entry and the entry of every rank that differs from it (and no other rank),
+for a different shape, name, dtype or requires_grad, and "no such parameter" with every rank's
+parameter count when one rank has an extra parameter; on random signatures the reported index
+and ranks are the first differing index and exactly the ranks that differ there. ``_chunks``
+puts one dtype in a chunk, keeps the input order within a dtype, and closes a chunk exactly once
+it holds CHUNK_BYTES (checked against a small CHUNK_BYTES).
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from tandem.parallel import replicas
+from tandem.parallel.replicas import first_difference, signature
+
+F32 = "torch.float32"
+W = ("w", (2, 3), F32, True)
+B = ("b", (3,), F32, True)
+
+
+def test_signature_in_registration_order():
+    model = nn.Sequential(nn.Linear(2, 3), nn.Linear(3, 1).double())
+    model[0].bias.requires_grad_(False)
+    assert signature(model.named_parameters()) == [
+        ("0.weight", (3, 2), F32, True),
+        ("0.bias", (3,), F32, False),
+        ("1.weight", (1, 3), "torch.float64", True),
+        ("1.bias", (1,), "torch.float64", True),
+    ]
+
+
+@pytest.mark.parametrize("ranks", [1, 3])
+def test_identical_signatures_have_no_difference(ranks):
+    assert first_difference([[W, B] for _ in range(ranks)]) is None
+
+
+def test_no_parameters_anywhere_is_no_difference():
+    assert first_difference([[], []]) is None
+
+
+def test_shape_differs_on_one_rank_of_three():
+    other = ("b", (4,), F32, True)
+    message = first_difference([[W, B], [W, B], [W, other]])
+    assert message == (
+        "parameter 'b' (#1) differs: rank 0 has 'b' of shape (3,) torch.float32, "
+        "rank 2 has 'b' of shape (4,) torch.float32"
+    )
+    assert "rank 1" not in message
+
+
+def test_only_the_first_difference_is_reported():
+    message = first_difference([[W, B], [("w", (9, 9), F32, True), ("b", (7,), F32, True)]])
+    assert "'w' (#0)" in message and "(9, 9)" in message
+    assert "(7,)" not in message
+
+
+def test_name_differs():
+    message = first_difference([[W, B], [W, ("bias", (3,), F32, True)]])
+    assert message.startswith("parameter 'b' (#1) differs")
+    assert "rank 0 has 'b' of shape (3,)" in message
+    assert "rank 1 has 'bias' of shape (3,)" in message
+
+
+def test_dtype_differs():
+    message = first_difference([[W, B], [("w", (2, 3), "torch.float16", True), B]])
+    assert "rank 0 has 'w' of shape (2, 3) torch.float32" in message
+    assert "rank 1 has 'w' of shape (2, 3) torch.float16" in message
+
+
+def test_requires_grad_differs():
+    message = first_difference([[W, B], [W, B], [("w", (2, 3), F32, False), B]])
+    assert "rank 0 has 'w' of shape (2, 3) torch.float32, " in message
+    assert message.endswith("rank 2 has 'w' of shape (2, 3) torch.float32 (requires_grad=False)")
+    assert "rank 1" not in message
+
+
+def test_extra_parameter_on_another_rank():
+    extra = ("head", (5,), F32, True)
+    message = first_difference([[W, B], [W, B, extra]])
+    assert message == (
+        "parameter 'head' (#2) differs: rank 0 has no such parameter, "
+        "rank 1 has 'head' of shape (5,) torch.float32 (parameter counts: rank 0: 2, rank 1: 3)"
+    )
+
+
+def test_extra_parameter_on_rank_0():
+    extra = ("head", (5,), F32, True)
+    message = first_difference([[W, B, extra], [W, B], [W, B, extra]])
+    assert "parameter 'head' (#2)" in message
+    assert "rank 1 has no such parameter" in message
+    assert "rank 2 has" not in message
+    assert "(parameter counts: rank 0: 3, rank 1: 2, rank 2: 3)" in message
+
+
+ENTRIES = st.tuples(
+    st.sampled_from(["w", "b", "head"]),
+    st.sampled_from([(2,), (3,), (2, 3)]),
+    st.sampled_from([F32, "torch.float16"]),
+    st.booleans(),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.lists(ENTRIES, max_size=4), min_size=1, max_size=4))
+def test_reports_the_first_differing_index_and_exactly_the_ranks_that_differ(signatures):
+    message = first_difference(signatures)
+    reference = signatures[0]
+    if all(s == reference for s in signatures):
+        assert message is None
+        return
+
+    def entry(s, j):
+        return s[j] if j < len(s) else None
+
+    length = max(len(s) for s in signatures)
+    j = next(
+        j for j in range(length) if any(entry(s, j) != entry(reference, j) for s in signatures)
+    )
+    differing = [r for r, s in enumerate(signatures) if r and entry(s, j) != entry(reference, j)]
+    assert message is not None
+    assert f"(#{j}) differs" in message, message
+    named = [int(r) for r in re.findall(r"rank (\d+) has", message)]
+    assert named == [0, *differing], message
+    has_counts = "(parameter counts:" in message
+    assert has_counts == any(len(s) != len(reference) for s in signatures), message
+
+
+def _kinds(chunk: list[torch.Tensor]) -> set[tuple[torch.dtype, torch.device]]:
+    return {(t.dtype, t.device) for t in chunk}
+
+
+def _bytes(tensors: list[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def test_chunks_worked_example(monkeypatch):
+    monkeypatch.setattr(replicas, "CHUNK_BYTES", 16)
+    a, b, c, d, e = (
+        torch.zeros(2),  # 8 bytes
+        torch.zeros(1, dtype=torch.float64),  # 8 bytes, its own kind
+        torch.zeros(2),  # 16 bytes with a: the chunk is full
+        torch.zeros(4),  # 16 bytes: a chunk alone, full
+        torch.zeros(1),
+    )
+    chunks = replicas._chunks([a, b, c, d, e])
+    assert [[id(t) for t in chunk] for chunk in chunks] == [
+        [id(a), id(c)],
+        [id(d)],
+        [id(e)],
+        [id(b)],
+    ]
+
+
+DTYPES = [torch.float32, torch.float16, torch.float64, torch.int64]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 30), st.sampled_from(DTYPES)), max_size=20),
+    st.integers(1, 120),
+)
+def test_chunks_hold_one_dtype_in_order_and_respect_the_cap(specs, cap):
+    tensors = [torch.zeros(n, dtype=dtype) for n, dtype in specs]
+    # A fixture would be shared by all examples; this patch lasts for one example.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(replicas, "CHUNK_BYTES", cap)
+        chunks = replicas._chunks(tensors)
+
+    assert sorted(id(t) for chunk in chunks for t in chunk) == sorted(id(t) for t in tensors)
+    assert all(chunk for chunk in chunks), chunks
+    assert all(len(_kinds(chunk)) == 1 for chunk in chunks)
+    for dtype in {t.dtype for t in tensors}:
+        of_kind = [chunk for chunk in chunks if chunk[0].dtype == dtype]
+        in_order = [id(t) for t in tensors if t.dtype == dtype]
+        assert [id(t) for chunk in of_kind for t in chunk] == in_order
+        for n, chunk in enumerate(of_kind):
+            # A chunk takes tensors while under the cap, so it can pass the cap by one tensor...
+            assert _bytes(chunk[:-1]) < cap, (dtype, n, cap)
+            # ...and closes once it reaches it, unless the kind ran out of tensors first.
+            if n < len(of_kind) - 1:
+                assert _bytes(chunk) >= cap, (dtype, n, cap)
