@@ -138,6 +138,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
         }
     if rank == 0:
         Path(out).write_text(json.dumps(report))
+    dist.barrier()  # Gloo may abort a rank whose peer tears down mid-operation
     dist.destroy_process_group()
 
 

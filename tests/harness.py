@@ -71,24 +71,16 @@ def _child(
 
     # Two ranks on two cores: one intra-op thread each, or they fight over the cores.
     torch.set_num_threads(1)
+    import torch.distributed as dist
+
     result: dict[str, Any]
     try:
         if init is not None:
-            import torch.distributed as dist
-
             dist.init_process_group(init)
         value = fn(*args)
         result = {"ok": True, "value": value}
     except BaseException as exc:  # report everything, KeyboardInterrupt included
         result = {"ok": False, "error": "".join(traceback.format_exception(exc))}
-    finally:
-        try:
-            import torch.distributed as dist
-
-            if init is not None and dist.is_initialized():
-                dist.destroy_process_group()
-        except Exception:
-            pass
     path = os.path.join(outdir, f"result{rank}.pkl")
     try:
         payload = pickle.dumps(result)
@@ -100,6 +92,11 @@ def _child(
     os.replace(path + ".tmp", path)
     sys.stdout.flush()
     sys.stderr.flush()
+    if result["ok"] and init is not None and dist.is_initialized():
+        # Wait for the peers before tearing down: Gloo can abort a process whose peer destroys
+        # its group mid-operation. (After a failure the parent stops whoever is stuck here.)
+        dist.barrier()
+        dist.destroy_process_group()
     os._exit(0)
 
 

@@ -25,6 +25,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 import tandem
 from tandem.parallel.comm_hooks import allreduce_hook
 from tandem.parallel.reducer import UnusedParametersError
+from tandem.parallel.replicas import broadcast_coalesced
 from tests.distributed import models
 from tests.harness import run_ranks
 
@@ -162,6 +163,27 @@ def _broadcast_and_resync() -> list[float]:
 def test_construction_broadcasts_and_sync_params_and_buffers():
     for resync_diff, init_diff in run_ranks(_broadcast_and_resync, 2):
         assert resync_diff == 0 and init_diff == 0
+
+
+def _broadcast_mixed() -> list[list]:
+    rank = dist.get_rank()
+    g = torch.Generator().manual_seed(rank)
+    tensors = [
+        torch.randn(3, 5, generator=g),
+        torch.tensor(7 + rank, dtype=torch.int64),  # 0-dim, like num_batches_tracked
+        torch.randn(4, generator=g).to(torch.float16),
+        torch.rand(6, generator=g) > 0.5,
+        torch.randn(2, 3, generator=g, dtype=torch.float64).t(),  # not contiguous
+        torch.randint(0, 255, (5,), generator=g, dtype=torch.uint8),
+    ]
+    broadcast_coalesced(tensors)
+    return [t.tolist() for t in tensors]
+
+
+def test_broadcast_coalesced_mixes_dtypes_exactly():
+    results = run_ranks(_broadcast_mixed, 3)
+    assert results[0] == results[1] == results[2]
+    assert results[0][1] == 7  # rank 0's counter
 
 
 def _hooks() -> float:

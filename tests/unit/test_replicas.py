@@ -7,8 +7,9 @@ index, rank 0's entry and the entry of every rank that differs from it (and no o
 for a different shape, name, dtype or requires_grad, and "no such parameter" with every rank's
 parameter count when one rank has an extra parameter; on random signatures the reported index
 and ranks are the first differing index and exactly the ranks that differ there. ``_chunks``
-puts one dtype in a chunk, keeps the input order within a dtype, and closes a chunk exactly once
-it holds CHUNK_BYTES (checked against a small CHUNK_BYTES).
+cuts chunks in input order, closes one exactly once it holds CHUNK_BYTES (checked against a
+small CHUNK_BYTES), and places every tensor at an offset aligned to its element size, since
+chunks mix dtypes as raw bytes.
 """
 
 from __future__ import annotations
@@ -148,21 +149,21 @@ def test_chunks_worked_example(monkeypatch):
     monkeypatch.setattr(replicas, "CHUNK_BYTES", 16)
     a, b, c, d, e = (
         torch.zeros(2),  # 8 bytes
-        torch.zeros(1, dtype=torch.float64),  # 8 bytes, its own kind
-        torch.zeros(2),  # 16 bytes with a: the chunk is full
-        torch.zeros(4),  # 16 bytes: a chunk alone, full
-        torch.zeros(1),
+        torch.zeros(1, dtype=torch.float64),  # 8 bytes: 16 with a, the chunk is full
+        torch.zeros(2),  # 8 bytes
+        torch.zeros(4),  # 16 bytes with c: full
+        torch.zeros(1, dtype=torch.int16),
     )
     chunks = replicas._chunks([a, b, c, d, e])
+    # dtypes share a chunk (they travel as bytes); the widest elements go first
     assert [[id(t) for t in chunk] for chunk in chunks] == [
-        [id(a), id(c)],
-        [id(d)],
+        [id(b), id(a)],
+        [id(c), id(d)],
         [id(e)],
-        [id(b)],
     ]
 
 
-DTYPES = [torch.float32, torch.float16, torch.float64, torch.int64]
+DTYPES = [torch.float32, torch.float16, torch.float64, torch.int64, torch.bool, torch.uint8]
 
 
 @settings(max_examples=200, deadline=None)
@@ -170,7 +171,7 @@ DTYPES = [torch.float32, torch.float16, torch.float64, torch.int64]
     st.lists(st.tuples(st.integers(0, 30), st.sampled_from(DTYPES)), max_size=20),
     st.integers(1, 120),
 )
-def test_chunks_hold_one_dtype_in_order_and_respect_the_cap(specs, cap):
+def test_chunks_keep_every_tensor_aligned_and_respect_the_cap(specs, cap):
     tensors = [torch.zeros(n, dtype=dtype) for n, dtype in specs]
     # A fixture would be shared by all examples; this patch lasts for one example.
     with pytest.MonkeyPatch.context() as patch:
@@ -179,14 +180,23 @@ def test_chunks_hold_one_dtype_in_order_and_respect_the_cap(specs, cap):
 
     assert sorted(id(t) for chunk in chunks for t in chunk) == sorted(id(t) for t in tensors)
     assert all(chunk for chunk in chunks), chunks
-    assert all(len(_kinds(chunk)) == 1 for chunk in chunks)
-    for dtype in {t.dtype for t in tensors}:
-        of_kind = [chunk for chunk in chunks if chunk[0].dtype == dtype]
-        in_order = [id(t) for t in tensors if t.dtype == dtype]
-        assert [id(t) for chunk in of_kind for t in chunk] == in_order
-        for n, chunk in enumerate(of_kind):
-            # A chunk takes tensors while under the cap, so it can pass the cap by one tensor...
-            assert _bytes(chunk[:-1]) < cap, (dtype, n, cap)
-            # ...and closes once it reaches it, unless the kind ran out of tensors first.
-            if n < len(of_kind) - 1:
-                assert _bytes(chunk) >= cap, (dtype, n, cap)
+    # chunks are cut in input order...
+    position = {id(t): i for i, t in enumerate(tensors)}
+    spans = [sorted(position[id(t)] for t in chunk) for chunk in chunks]
+    assert [i for span in spans for i in span] == list(range(len(tensors)))
+    for n, chunk in enumerate(chunks):
+        in_order = [tensors[i] for i in spans[n]]
+        # ...take tensors while under the cap, so they can pass it by one tensor...
+        assert _bytes(in_order[:-1]) < cap, (n, cap)
+        # ...and close once they reach it, unless the tensors ran out first.
+        if n < len(chunks) - 1:
+            assert _bytes(in_order) >= cap, (n, cap)
+        # every tensor starts at a multiple of its element size within the chunk's bytes
+        offset = 0
+        for t in chunk:
+            assert offset % t.element_size() == 0, (offset, t.dtype)
+            offset += t.numel() * t.element_size()
+
+
+def _bytes(tensors: list[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)

@@ -270,6 +270,9 @@ class Reducer:
                 self.buckets[b].views[slot].zero_()
                 self.buckets[b].pending = 0
             self._launch_ready_buckets()
+        # Write each bucket's means back as soon as that bucket is done: the copies then run
+        # while the later buckets are still on the wire.
+        write_back_now = not missing and not self.find_unused
         for bucket, fut in zip(self.buckets, self.futures, strict=True):
             assert fut is not None
             result = fut.wait()
@@ -277,7 +280,12 @@ class Reducer:
                 result = result[0]
             if result.data_ptr() != bucket.flat.data_ptr():
                 bucket.buffer.copy_(result[: bucket.numel])
+            if write_back_now:
+                self._write_back(bucket.params, None)
         self._check_flag(missing)
+        if write_back_now:
+            self.used = [False] * len(self.params)
+            return
 
         used = self.used
         if self.find_unused and self.world_size > 1:
@@ -285,10 +293,15 @@ class Reducer:
             dist.all_reduce(t, group=self.group)
             used = [bool(u) for u in t.tolist()]
         self.used = [False] * len(self.params)
+        self._write_back(range(len(self.params)), used)
+
+    def _write_back(self, indices: Sequence[int], used: list[bool] | None) -> None:
+        """Give parameters ``indices`` their mean gradient (``used``: who had one anywhere)."""
         grads, means = [], []
-        for p, view, was_used in zip(self.params, self.views, used, strict=True):
+        for i in indices:
+            p, view = self.params[i], self.views[i]
             if p.grad is None:
-                if was_used:
+                if used is not None and used[i]:
                     # Unused here but used on another rank: this rank steps with the mean too.
                     p.grad = view if self.as_view else view.clone()
             elif p.grad is not view:

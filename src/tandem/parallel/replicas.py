@@ -91,31 +91,49 @@ def verify_same_parameters(
 def broadcast_coalesced(
     tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None = None, src: int = 0
 ) -> None:
-    """Overwrite ``tensors`` on every rank with group rank ``src``'s values, in flat chunks."""
+    """Overwrite ``tensors`` on every rank with group rank ``src``'s values.
+
+    Tensors travel as raw bytes, so that every dtype shares one flat buffer: a model's buffers
+    (float statistics and integer counters) cost one collective per forward, not one per dtype.
+
+    Example::
+
+        broadcast_coalesced(list(model.buffers()))   # every rank now has rank 0's buffers
+    """
     if group_size(group) == 1 or not tensors:
         return
     global_src = dist.get_global_rank(group if group is not None else dist.group.WORLD, src)
+    receiving = dist.get_rank(group) != src
     for chunk in _chunks(tensors):
-        flat = torch.cat([t.detach().reshape(-1) for t in chunk])
+        flat = torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for t in chunk])
         dist.broadcast(flat, src=global_src, group=group)
+        if not receiving:
+            continue
         offset = 0
         with torch.no_grad():
             for t in chunk:
-                n = t.numel()
-                t.copy_(flat[offset : offset + n].view_as(t))
+                n = t.numel() * t.element_size()
+                t.copy_(flat[offset : offset + n].view(t.dtype).view_as(t))
                 offset += n
 
 
 def _chunks(tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
-    # A flat chunk holds one dtype on one device; order within a kind is kept.
-    by_kind: dict[tuple[torch.dtype, torch.device], list[list[torch.Tensor]]] = {}
-    filled: dict[tuple[torch.dtype, torch.device], int] = {}
+    """Group tensors into byte chunks of about CHUNK_BYTES, one device per chunk.
+
+    Within a chunk the widest elements come first: every tensor then starts at an offset that is
+    a multiple of its element size, which reinterpreting the bytes as its dtype requires.
+    """
+    by_device: dict[torch.device, list[list[torch.Tensor]]] = {}
+    filled: dict[torch.device, int] = {}
     for t in tensors:
-        kind = (t.dtype, t.device)
-        chunks = by_kind.setdefault(kind, [[]])
-        if filled.get(kind, 0) >= CHUNK_BYTES:
+        chunks = by_device.setdefault(t.device, [[]])
+        if filled.get(t.device, 0) >= CHUNK_BYTES:
             chunks.append([])
-            filled[kind] = 0
+            filled[t.device] = 0
         chunks[-1].append(t)
-        filled[kind] = filled.get(kind, 0) + t.numel() * t.element_size()
-    return [chunk for chunks in by_kind.values() for chunk in chunks]
+        filled[t.device] = filled.get(t.device, 0) + t.numel() * t.element_size()
+    return [
+        sorted(chunk, key=lambda t: -t.element_size())
+        for chunks in by_device.values()
+        for chunk in chunks
+    ]
