@@ -107,8 +107,10 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
         factory, shape, batch = MODELS[name]
         g = torch.Generator().manual_seed(rank)
         batches = [
-            (torch.randn(batch, *shape, generator=g).to(device),
-             torch.randint(0, 10, (batch,), generator=g).to(device))
+            (
+                torch.randn(batch, *shape, generator=g).to(device),
+                torch.randint(0, 10, (batch,), generator=g).to(device),
+            )
             for _ in range(args.steps)
         ]
         engines = {}
@@ -176,14 +178,18 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"meta": meta, "models": report}
     args.json.write_text(json.dumps(result, indent=2))
 
-    print(f"DDP throughput, {meta['world']} ranks, {meta['backend']}, {meta['device']}, "
-          f"{args.pairs} pairs x {args.steps} steps (median samples/s)")
-    print(f"| model | params | tandem.DDP | torch DDP | tandem/torch |")
+    print(
+        f"DDP throughput, {meta['world']} ranks, {meta['backend']}, {meta['device']}, "
+        f"{args.pairs} pairs x {args.steps} steps (median samples/s)"
+    )
+    print("| model | params | tandem.DDP | torch DDP | tandem/torch |")
     print("|---|---:|---:|---:|---:|")
     for name, r in report.items():
         s = r["samples_per_s"]
-        print(f"| {name} | {r['params'] / 1e6:.2f} M | {s['tandem']:.0f} | {s['torch']:.0f} | "
-              f"{r['ratio_tandem_over_torch']:.3f} |")
+        print(
+            f"| {name} | {r['params'] / 1e6:.2f} M | {s['tandem']:.0f} | {s['torch']:.0f} | "
+            f"{r['ratio_tandem_over_torch']:.3f} |"
+        )
     print(f"JSON: {args.json}")
     return result
 
