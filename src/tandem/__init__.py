@@ -1,10 +1,30 @@
-"""tandem: data-parallel training for PyTorch, engines written in Python on torch.distributed."""
+"""tandem: data-parallel training for PyTorch, engines written in Python on torch.distributed.
 
-from tandem.parallel.comm_hooks import GradBucket
-from tandem.parallel.ddp import DistributedDataParallel, drop_zero_grads
+The engines are imported on first use (PEP 562), so that ``import tandem`` and the ``tandem``
+command line start without importing torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from tandem.world import World, init, shutdown, world
 
-DDP = DistributedDataParallel
+if TYPE_CHECKING:
+    from tandem.launch.spawn import spawn
+    from tandem.parallel.comm_hooks import GradBucket
+    from tandem.parallel.ddp import DistributedDataParallel, drop_zero_grads
+
+    DDP = DistributedDataParallel
+
+_LAZY = {
+    "DDP": ("tandem.parallel.ddp", "DistributedDataParallel"),
+    "DistributedDataParallel": ("tandem.parallel.ddp", "DistributedDataParallel"),
+    "GradBucket": ("tandem.parallel.comm_hooks", "GradBucket"),
+    "drop_zero_grads": ("tandem.parallel.ddp", "drop_zero_grads"),
+    "spawn": ("tandem.launch.spawn", "spawn"),
+}
 
 __all__ = [
     "DDP",
@@ -14,7 +34,21 @@ __all__ = [
     "drop_zero_grads",
     "init",
     "shutdown",
+    "spawn",
     "world",
 ]
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'tandem' has no attribute {name!r}")
+    module, attribute = _LAZY[name]
+    value = getattr(importlib.import_module(module), attribute)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -11,10 +11,8 @@ import math
 import os
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
-
-import torch
-import torch.distributed as dist
 
 from tandem.launch.env import (
     LOCAL_RANK_VARIABLE,
@@ -22,6 +20,11 @@ from tandem.launch.env import (
     override_placement,
     placement_from_env,
 )
+
+# torch is imported inside the functions that need it: `import tandem` stays fast, and the
+# launcher (which imports this package) never pays for torch.
+if TYPE_CHECKING:
+    import torch
 
 BACKENDS = ("gloo", "nccl", "mpi")
 INIT_SCHEMES = ("env", "tcp", "file")
@@ -111,6 +114,9 @@ def init(
         ...
         tandem.shutdown()
     """
+    import torch
+    import torch.distributed as dist
+
     global _current, _owns_group
     if _owns_group and _group_exists() and _current is not None:
         return _current
@@ -119,7 +125,8 @@ def init(
         _current, _owns_group = _from_group(placement_from_env(os.environ)), False
         return _current
 
-    backend = _checked_backend(backend)
+    # `tandem run --backend` hands its choice down through the environment.
+    backend = _checked_backend(backend or os.environ.get("TANDEM_BACKEND") or None)
     _check_init_method(init_method)
     delta = _checked_timeout(timeout)
     placement = override_placement(placement_from_env(os.environ), rank=rank, world_size=world_size)
@@ -197,6 +204,8 @@ def shutdown() -> None:
         finally:
             tandem.shutdown()
     """
+    import torch.distributed as dist
+
     global _current, _owns_group
     if _owns_group and _group_exists():
         dist.destroy_process_group()
@@ -204,11 +213,15 @@ def shutdown() -> None:
 
 
 def _group_exists() -> bool:
+    import torch.distributed as dist
+
     return dist.is_available() and dist.is_initialized()
 
 
 def _from_group(placement: Placement) -> World:
     """The World of the existing default group, local fields from the environment."""
+    import torch.distributed as dist
+
     rank, size = dist.get_rank(), dist.get_world_size()
     if (rank, size) != (placement.rank, placement.world_size):
         placement = override_placement(placement, rank=rank, world_size=size)
@@ -229,6 +242,8 @@ def _record(placement: Placement, backend: str | None, device: torch.device) -> 
 
 
 def _device(placement: Placement) -> torch.device:
+    import torch
+
     if not torch.cuda.is_available():
         return torch.device("cpu")
     count = torch.cuda.device_count()
@@ -243,6 +258,9 @@ def _device(placement: Placement) -> torch.device:
 
 
 def _checked_backend(backend: str | None) -> str | None:
+    import torch
+    import torch.distributed as dist
+
     if backend is None:
         return None
     name = backend.lower() if isinstance(backend, str) else backend

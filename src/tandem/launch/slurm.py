@@ -1,0 +1,464 @@
+"""SLURM: ``tandem slurm`` prints a batch script; ``tandem run`` under srun finds its node.
+
+The batch script runs one ``tandem run`` per node (``--ntasks-per-node=1``) through srun, and each
+starts one worker per GPU. Under srun every node's ``tandem run`` learns the node count, its node
+rank and the rendezvous host from SLURM's variables (:func:`node_placement_from_slurm`), so the
+script passes none of them. Nothing here imports torch: ``tandem slurm`` should print at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shlex
+import sys
+from collections.abc import Mapping, Sequence
+
+from tandem.launch.env import slurm_master_port
+from tandem.launch.hostlist import expand_hostlist
+
+# Slurm warns the batch shell this long before the time limit, leaving the requeue and the
+# workers' last checkpoint a minute and a half: what a checkpoint of a few GB needs on shared
+# storage.
+SIGNAL_LEAD_S = 90
+# Slurm checks its signal timers about once a minute, so the warning may come up to 60 s early:
+# a time limit shorter than this would be warned (and requeued) as soon as it starts.
+MIN_TIME_S = SIGNAL_LEAD_S + 60
+
+# Minutes ("90") or [D-]HH:MM:SS ("1-12:00:00", "01:30:00"): the two forms people write in
+# scripts, and both mean the same to every Slurm since 2.x.
+_DIGITS = re.compile(r"[0-9]+")
+_CLOCK = re.compile(r"(?:(?P<d>[0-9]+)-)?(?P<h>[0-9]{1,3}):(?P<m>[0-9]{2}):(?P<s>[0-9]{2})")
+
+
+def parse_time(time: str) -> int:
+    """Seconds in a SLURM time limit written as minutes or ``[D-]HH:MM:SS``.
+
+    Raises:
+        ValueError: another form, minutes or seconds past 59, hours past 23 after a day count,
+            or a limit of zero (which Slurm reads as "no limit", not as zero).
+
+    Example::
+
+        >>> parse_time("90"), parse_time("01:30:00"), parse_time("1-00:00:00")
+        (5400, 5400, 86400)
+    """
+    text = time.strip()
+    if _DIGITS.fullmatch(text):
+        seconds = int(text) * 60
+    elif match := _CLOCK.fullmatch(text):
+        days, hours = int(match["d"] or 0), int(match["h"])
+        minutes, secs = int(match["m"]), int(match["s"])
+        if minutes > 59 or secs > 59 or (match["d"] is not None and hours > 23):
+            raise ValueError(
+                f"time={time!r} has a field out of range: minutes and seconds run 0-59, and "
+                "hours 0-23 after a day count"
+            )
+        seconds = ((days * 24 + hours) * 60 + minutes) * 60 + secs
+    else:
+        raise ValueError(
+            f"time={time!r} is not a SLURM time limit: write minutes (90) or [D-]HH:MM:SS "
+            "(01:30:00, 2-00:00:00)"
+        )
+    if seconds == 0:
+        raise ValueError(f"time={time!r} is zero, which Slurm reads as no limit; give a duration")
+    return seconds
+
+
+def build_sbatch_script(
+    *,
+    nodes: int,
+    gpus_per_node: int,
+    time: str,
+    script_args: Sequence[str],
+    partition: str | None = None,
+    cpus_per_task: int | None = None,
+    job_name: str = "tandem",
+    nproc_per_node: int | None = None,
+    module: bool = False,
+    output: str = "%x-%j.out",
+) -> str:
+    """An sbatch script that runs ``tandem run`` on every node, requeued before its time limit.
+
+    One srun task per node runs ``tandem run --nproc-per-node N``, which starts N workers and
+    reads its node rank, the node count and the rendezvous from srun's variables.
+    ``--kill-on-bad-exit=1`` ends every node when one fails, rather than leaving the others in a
+    collective until their timeout. 90 s before the limit Slurm signals the batch shell with
+    USR1, and the script's trap runs ``scontrol requeue``: the workers get SIGTERM and the job
+    later restarts from the top under the same id, so the training script must checkpoint as it
+    goes and resume from its latest checkpoint.
+
+    Args:
+        nodes: number of nodes, at least 1.
+        gpus_per_node: GPUs per node, one worker each; 0 for a CPU job.
+        time: time limit, minutes ("90") or ``[D-]HH:MM:SS``; longer than 150 s, so the requeue
+            warning does not come at the start.
+        script_args: the training script (or module, with ``module=True``) and its arguments.
+        partition: the partition to submit to; the cluster's default when None.
+        cpus_per_task: CPUs for each node's task, shared by its workers; Slurm's default
+            (often 1) when None.
+        job_name: the job's name, also the ``%x`` in ``output``.
+        nproc_per_node: workers per node; ``gpus_per_node`` when None, required when it is 0.
+        module: run ``script_args[0]`` as a module (``python -m``), not as a file.
+        output: the log file, with Slurm's patterns (``%x`` name, ``%j`` job id).
+
+    Returns:
+        The script's text, ready for ``sbatch``.
+
+    Raises:
+        ValueError: a count below its minimum, more workers than GPUs, a malformed time or one
+            too short, whitespace in a name or path, or no script; naming the value.
+
+    Example::
+
+        script = build_sbatch_script(
+            nodes=2, gpus_per_node=4, time="01:00:00", partition="gpu",
+            script_args=["train.py", "--lr", "0.1"],
+        )
+        Path("train.sbatch").write_text(script)  # then: sbatch train.sbatch
+    """
+    nproc = _checked_counts(nodes, gpus_per_node, cpus_per_task, nproc_per_node)
+    seconds = parse_time(time)
+    if seconds < MIN_TIME_S:
+        raise ValueError(
+            f"time={time!r} is {seconds} s, too short for the requeue warning {SIGNAL_LEAD_S} s "
+            f"before the limit (which Slurm may send up to 60 s early); ask for at least "
+            f"{MIN_TIME_S} s"
+        )
+    for name, value in (("job_name", job_name), ("output", output), ("partition", partition)):
+        # sbatch splits #SBATCH lines at whitespace and has no quoting to rely on.
+        if value is not None and (not value or any(c.isspace() for c in value)):
+            raise ValueError(
+                f"{name}={value!r} is empty or contains whitespace; sbatch cannot read it"
+            )
+    if not script_args:
+        raise ValueError("script_args is empty: give the training script (or module) to run")
+    if script_args[0].startswith("-"):
+        what = "module" if module else "script"
+        raise ValueError(
+            f"script_args[0]={script_args[0]!r} is an option, not a {what}: put the {what} "
+            "first, then its arguments"
+        )
+
+    options = [f"--job-name={job_name}", f"--nodes={nodes}", "--ntasks-per-node=1"]
+    if gpus_per_node > 0:
+        options.append(f"--gpus-per-node={gpus_per_node}")
+    if cpus_per_task is not None:
+        options.append(f"--cpus-per-task={cpus_per_task}")
+    options.append(f"--time={time.strip()}")
+    if partition is not None:
+        options.append(f"--partition={partition}")
+    options += [
+        f"--output={output}",
+        "--open-mode=append",
+        f"--signal=B:USR1@{SIGNAL_LEAD_S}",
+        "--requeue",
+    ]
+
+    # srun reads no --cpus-per-task from the job in Slurm 22.05 to 23.02 (each task would get
+    # one CPU for all its workers), so the step asks for it itself.
+    srun = ["srun", "--kill-on-bad-exit=1"]
+    if cpus_per_task is not None:
+        srun.append(f"--cpus-per-task={cpus_per_task}")
+    run = ["tandem", "run", "--nproc-per-node", str(nproc)]
+    if module:
+        run.append("-m")
+    command = " ".join(shlex.quote(word) for word in [*srun, *run, *script_args])
+
+    cpus_note = (
+        ""
+        if cpus_per_task is not None
+        else (
+            "# No --cpus-per-task was given: Slurm's default gives each node's task (all its "
+            "workers)\n# as few as one CPU; `tandem slurm --cpus-per-task N` asks for more.\n"
+        )
+    )
+    per_gpu = ", one per GPU" if gpus_per_node > 0 else ""
+    return (
+        "#!/bin/bash\n"
+        + "".join(f"#SBATCH {option}\n" for option in options)
+        + f"""
+# One task per node: srun starts `tandem run` once on each of the {nodes} node(s), and it starts
+# {nproc} worker(s) there{per_gpu}. It reads the node count, its node rank and the rendezvous
+# (the first node, port 15000 + job id % 10000) from srun's variables. The job inherits the
+# environment sbatch was run from: submit from the one where tandem is installed.
+{cpus_note}#
+# Requeue before the time limit: Slurm sends USR1 to this shell {SIGNAL_LEAD_S} s before the limit
+# (the B: in --signal; without it only the job steps get the signal and no trap here runs). The
+# trap asks Slurm to requeue the job (--requeue allows it): the workers get SIGTERM, KillWait
+# seconds before SIGKILL, and the job later runs this script again under the same job id, with
+# SLURM_RESTART_COUNT counting the restarts and --open-mode=append keeping every attempt's log.
+# So the training script must save checkpoints as it goes and resume from the latest at start.
+requeue() {{
+    echo "$(date): time limit in {SIGNAL_LEAD_S} s, requeueing job $SLURM_JOB_ID"
+    scontrol requeue "$SLURM_JOB_ID"
+    trapped=1
+}}
+trap requeue USR1
+
+# bash runs a trap only between commands, so srun runs in the background while the shell waits
+# in `wait`, which a trapped signal interrupts; the loop then waits again for srun's own status.
+# --kill-on-bad-exit=1: when a node's workers fail, every node's are ended, instead of the
+# others blocking in a collective until their timeout.
+{command} &
+srun_pid=$!
+while true; do
+    trapped=0
+    wait "$srun_pid"
+    status=$?
+    [ "$trapped" -eq 1 ] || break
+done
+exit "$status"
+"""
+    )
+
+
+def node_placement_from_slurm(environ: Mapping[str, str]) -> tuple[int, int, str, int] | None:
+    """``(nnodes, node_rank, master_addr, master_port)`` of a ``tandem run`` started by srun.
+
+    Under ``srun --ntasks-per-node=1 tandem run ...`` each node's task reads where it stands from
+    SLURM's variables: the node count from SLURM_STEP_NUM_NODES, SLURM_NNODES or
+    SLURM_JOB_NUM_NODES, its rank from SLURM_NODEID, the rendezvous host as the first of
+    SLURM_STEP_NODELIST, SLURM_NODELIST or SLURM_JOB_NODELIST (the step's own variables first:
+    a step may run on part of the job's nodes) and the port as :func:`slurm_master_port` of
+    SLURM_JOB_ID. MASTER_ADDR and MASTER_PORT override the derived host and port, as they do
+    in :func:`tandem.launch.env.placement_from_env`.
+
+    The batch script itself (no SLURM_STEP_ID) of a one-node job also gets its placement, so
+    ``tandem run`` may run there without srun.
+
+    Args:
+        environ: the environment, usually ``os.environ``.
+
+    Returns:
+        The placement, or None outside a SLURM job (no SLURM_JOB_ID, SLURM_NODEID, or node
+        count; salloc's shell, for one, has no SLURM_NODEID).
+
+    Raises:
+        ValueError: a variable is not a valid count, rank, hostlist or port; the batch script of
+            a job of several nodes (without srun the other nodes never start); or a step with
+            more tasks than nodes (several ``tandem run`` per node, each starting every
+            worker). The message names the variables and their values.
+
+    Example::
+
+        >>> node_placement_from_slurm({"SLURM_JOB_ID": "123456", "SLURM_NODEID": "1",
+        ...     "SLURM_STEP_ID": "0", "SLURM_NNODES": "2", "SLURM_NTASKS": "2",
+        ...     "SLURM_JOB_NODELIST": "gpu[07-08]"})
+        (2, 1, 'gpu07', 18456)
+    """
+    job_name = _first_set(environ, ("SLURM_JOB_ID", "SLURM_JOBID"))
+    nodes_name = _first_set(
+        environ, ("SLURM_STEP_NUM_NODES", "SLURM_NNODES", "SLURM_JOB_NUM_NODES")
+    )
+    if job_name is None or nodes_name is None or "SLURM_NODEID" not in environ:
+        return None
+    job_id = _count(environ, job_name, minimum=0)
+    nnodes = _count(environ, nodes_name, minimum=1)
+    node_rank = _count(environ, "SLURM_NODEID", minimum=0)
+    if node_rank >= nnodes:
+        raise ValueError(
+            f"SLURM_NODEID={node_rank} is not < {nodes_name}={nnodes}: node ranks run from 0 "
+            f"to {nnodes - 1}"
+        )
+    in_step = "SLURM_STEP_ID" in environ or "SLURM_STEPID" in environ
+    if not in_step and nnodes > 1:
+        raise ValueError(
+            f"this is the batch script of job {job_id} ({nodes_name}={nnodes}, no SLURM_STEP_ID): "
+            "tandem run started here runs on the first node only, and the job would wait for "
+            "the others until its timeout; start it with `srun --ntasks-per-node=1 tandem run ...`"
+        )
+    tasks_name = _first_set(environ, ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"))
+    if tasks_name is not None and in_step:
+        tasks = _count(environ, tasks_name, minimum=1)
+        if tasks > nnodes:
+            raise ValueError(
+                f"{tasks_name}={tasks} tasks on {nodes_name}={nnodes} node(s): tandem run wants "
+                "one task per node (srun --ntasks-per-node=1), and starts the workers itself; "
+                "with one task per GPU, run the script without tandem run (tandem.init() reads "
+                "srun's ranks)"
+            )
+
+    master_addr = environ.get("MASTER_ADDR")
+    if master_addr is not None and not master_addr.strip():
+        raise ValueError(f"MASTER_ADDR={master_addr!r} is empty; name rank 0's host, or unset it")
+    if master_addr is None:
+        master_addr = _first_host(environ)
+    if "MASTER_PORT" in environ:
+        master_port = _count(environ, "MASTER_PORT", minimum=1)
+        if master_port > 65535:
+            raise ValueError(f"MASTER_PORT={master_port} is outside 1..65535")
+    else:
+        master_port = slurm_master_port(job_id)
+    return nnodes, node_rank, master_addr, master_port
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the ``slurm`` subcommand to ``tandem``'s subparsers; it runs :func:`main`.
+
+    Every option takes dashes or underscores (``--gpus-per-node``, ``--gpus_per_node``), like
+    torchrun's. The script and its arguments follow ``--`` (or the first word that is not an
+    option of ``tandem slurm``).
+
+    Example::
+
+        parser = argparse.ArgumentParser(prog="tandem")
+        register(parser.add_subparsers(dest="command", required=True))
+        args = parser.parse_args(["slurm", "--nodes", "2", "--gpus-per-node", "4",
+                                  "--time", "01:00:00", "--", "train.py"])
+        args.func(args)  # prints the script
+    """
+    parser = subparsers.add_parser(
+        "slurm",
+        help="print an sbatch script that runs a training script on SLURM nodes",
+        description=(
+            "Print an sbatch script: one `tandem run` per node through srun, one worker per "
+            "GPU, requeued shortly before the time limit. Save it and submit it with sbatch."
+        ),
+        epilog="example: tandem slurm --nodes 2 --gpus-per-node 4 --time 01:00:00 -- train.py",
+    )
+
+    def option(name: str, **kwargs) -> None:
+        flags = [f"--{name}"]
+        if "-" in name:
+            flags.append(f"--{name.replace('-', '_')}")
+        parser.add_argument(*flags, **kwargs)
+
+    option("nodes", type=_positive, required=True, help="number of nodes")
+    option(
+        "gpus-per-node",
+        type=_non_negative,
+        required=True,
+        help="GPUs per node, one worker each; 0 for a CPU job (then give --nproc-per-node)",
+    )
+    option("time", type=_time, required=True, help="time limit: minutes or [D-]HH:MM:SS")
+    option("partition", help="partition to submit to (default: the cluster's default)")
+    option("cpus-per-task", type=_positive, help="CPUs per node, shared by its workers")
+    option("job-name", default="tandem", help="job name (default: %(default)s)")
+    option("output", default="%x-%j.out", help="log file (default: %(default)s)")
+    option("nproc-per-node", type=_positive, help="workers per node (default: --gpus-per-node)")
+    parser.add_argument(
+        "-m", "--module", action="store_true", help="run the script as a module (python -m)"
+    )
+    parser.add_argument(
+        "script_args", nargs=argparse.REMAINDER, help="-- then the script and its arguments"
+    )
+    parser.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    """Print the batch script that ``args`` (from :func:`register`'s parser) describe.
+
+    Returns:
+        0, or 2 after printing the error when the arguments do not make a valid job.
+    """
+    script_args = list(args.script_args)
+    # argparse keeps the "--" that ends tandem's own options in the remainder.
+    if script_args[:1] == ["--"]:
+        script_args = script_args[1:]
+    try:
+        script = build_sbatch_script(
+            nodes=args.nodes,
+            gpus_per_node=args.gpus_per_node,
+            time=args.time,
+            partition=args.partition,
+            cpus_per_task=args.cpus_per_task,
+            job_name=args.job_name,
+            nproc_per_node=args.nproc_per_node,
+            script_args=script_args,
+            module=args.module,
+            output=args.output,
+        )
+    except ValueError as exc:
+        print(f"tandem slurm: error: {exc}", file=sys.stderr)
+        return 2
+    sys.stdout.write(script)
+    return 0
+
+
+def _checked_counts(
+    nodes: int, gpus_per_node: int, cpus_per_task: int | None, nproc_per_node: int | None
+) -> int:
+    """The workers per node, after checking every count; the one place they are checked."""
+    for name, value, minimum in (
+        ("nodes", nodes, 1),
+        ("gpus_per_node", gpus_per_node, 0),
+        ("cpus_per_task", cpus_per_task, 1),
+        ("nproc_per_node", nproc_per_node, 1),
+    ):
+        if value is None and name in ("cpus_per_task", "nproc_per_node"):
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise ValueError(f"{name}={value!r} is not an integer >= {minimum}")
+    if nproc_per_node is None:
+        if gpus_per_node == 0:
+            raise ValueError(
+                "gpus_per_node=0 makes a CPU job, whose workers per node cannot be taken from "
+                "the GPUs: give nproc_per_node (--nproc-per-node)"
+            )
+        return gpus_per_node
+    if gpus_per_node > 0 and nproc_per_node > gpus_per_node:
+        raise ValueError(
+            f"nproc_per_node={nproc_per_node} exceeds gpus_per_node={gpus_per_node}: each "
+            "worker takes one GPU of its node"
+        )
+    return nproc_per_node
+
+
+def _first_set(environ: Mapping[str, str], names: Sequence[str]) -> str | None:
+    return next((name for name in names if name in environ), None)
+
+
+def _count(environ: Mapping[str, str], name: str, *, minimum: int) -> int:
+    raw = environ[name]
+    if not _DIGITS.fullmatch(raw.strip()) or int(raw) < minimum:
+        raise ValueError(f"{name}={raw!r} is not an integer >= {minimum}")
+    return int(raw)
+
+
+def _first_host(environ: Mapping[str, str]) -> str:
+    name = _first_set(environ, ("SLURM_STEP_NODELIST", "SLURM_NODELIST", "SLURM_JOB_NODELIST"))
+    if name is None:
+        raise ValueError(
+            "none of SLURM_STEP_NODELIST, SLURM_NODELIST, SLURM_JOB_NODELIST is set, so the "
+            "rendezvous host is unknown; srun sets them, or export MASTER_ADDR"
+        )
+    raw = environ[name]
+    try:
+        hosts = expand_hostlist(raw)
+    except ValueError as exc:
+        raise ValueError(f"{name}={raw!r} is not a valid hostlist: {exc}") from None
+    if not hosts:
+        raise ValueError(f"{name}={raw!r} names no host")
+    return hosts[0]
+
+
+def _argument(check):
+    """An argparse ``type`` from a check that raises ValueError, keeping its message."""
+
+    def parse(text: str):
+        try:
+            return check(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return parse
+
+
+def _integer_at_least(minimum: int):
+    def check(text: str) -> int:
+        if not re.fullmatch(r"-?[0-9]+", text.strip()) or int(text) < minimum:
+            raise ValueError(f"{text!r} is not an integer >= {minimum}")
+        return int(text)
+
+    return _argument(check)
+
+
+def _check_time(text: str) -> str:
+    parse_time(text)
+    return text
+
+
+_positive = _integer_at_least(1)
+_non_negative = _integer_at_least(0)
+_time = _argument(_check_time)

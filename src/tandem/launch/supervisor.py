@@ -1,0 +1,270 @@
+"""The supervisor: start one node's workers, watch them, stop them all at the first failure.
+
+Per attempt:
+
+1. Rendezvous (``rendezvous.py``): the address and port the workers meet at, fresh per attempt.
+2. Start ``nproc_per_node`` workers, each with torchrun's environment, in a process group of its
+   own (so its DataLoader workers are stopped with it) that dies with the launcher
+   (PR_SET_PDEATHSIG: even a SIGKILLed launcher leaves no orphans).
+3. Watch: every line a worker prints is passed on prefixed ``[rank N]`` (and logged); the end
+   of its stderr is kept for the failure report.
+4. The first worker to exit non-zero, or to die by a signal, fails the attempt: the others get
+   SIGTERM, then SIGKILL after a grace period, and the launcher says who failed, how, and what
+   the worker last wrote. With restarts left, a new attempt starts with a new rendezvous.
+
+SIGINT, SIGTERM and SIGUSR1 sent to the launcher are passed to every worker.
+
+Example::
+
+    spec = LaunchSpec(command=[sys.executable, "-u", "train.py"], nproc_per_node=2)
+    sys.exit(Supervisor(spec, LocalCoordinator("127.0.0.1", None)).run())
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+from tandem.launch.failures import Failure
+from tandem.launch.rendezvous import Coordinator
+
+TAIL_LINES = 30
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+PR_SET_PDEATHSIG = 1
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """What to run, and where this node sits. Rank arithmetic lives in ``global_rank``."""
+
+    command: list[str]
+    nproc_per_node: int
+    nnodes: int = 1
+    node_rank: int = 0
+    max_restarts: int = 0
+    log_dir: Path | None = None
+    show_ranks: frozenset[int] | None = None
+    prefix: bool = True
+    backend: str | None = None
+    grace_s: float = 3.0
+    run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nproc_per_node
+
+    def global_rank(self, local_rank: int) -> int:
+        """The guides' rule: node_rank * nproc_per_node + local_rank."""
+        return self.node_rank * self.nproc_per_node + local_rank
+
+
+class Worker:
+    """One worker process, the threads relaying its output, and the tail of its stderr."""
+
+    def __init__(self, spec: LaunchSpec, local_rank: int, env: dict[str, str], log: Path | None):
+        self.local_rank = local_rank
+        self.rank = spec.global_rank(local_rank)
+        self.tail: deque[str] = deque(maxlen=TAIL_LINES)
+        self.proc = subprocess.Popen(
+            spec.command,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            preexec_fn=_in_own_group_dying_with_parent,
+        )
+        show = spec.show_ranks is None or self.rank in spec.show_ranks
+        prefix = f"[rank {self.rank}] " if spec.prefix else ""
+        self.threads = [
+            _relay(self.proc.stdout, sys.stdout, prefix if show else None, log, "stdout", None),
+            _relay(
+                self.proc.stderr, sys.stderr, prefix if show else None, log, "stderr", self.tail
+            ),
+        ]
+
+    def signal(self, signum: int) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signum)
+
+    def drained_tail(self) -> tuple[str, ...]:
+        # The reader may still be on the last lines of a traceback when the exit is noticed.
+        for t in self.threads:
+            t.join(timeout=0.5)
+        return tuple(self.tail)
+
+
+class Supervisor:
+    """Runs the attempts of one node; ``run()`` returns the launcher's exit status."""
+
+    def __init__(self, spec: LaunchSpec, coordinator: Coordinator) -> None:
+        self.spec = spec
+        self.coordinator = coordinator
+        self.workers: list[Worker] = []
+        self.stop_signal: int | None = None
+        self.host = socket.gethostname()
+
+    def run(self) -> int:
+        previous = {s: signal.signal(s, self._on_signal) for s in FORWARDED}
+        try:
+            return self._attempts()
+        finally:
+            self._stop_all(signal.SIGKILL, grace=0)
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+    def _attempts(self) -> int:
+        failure: Failure | None = None
+        for attempt in range(self.spec.max_restarts + 1):
+            if attempt:
+                _say(f"restarting all workers (restart {attempt} of {self.spec.max_restarts})")
+            addr, port, extra = self.coordinator.begin(attempt)
+            self._start(attempt, addr, port, extra)
+            failure = self._watch(attempt)
+            if self.stop_signal is not None:
+                self._stop_all(signal.SIGTERM, self.spec.grace_s)
+                _say(f"stopped by {signal.Signals(self.stop_signal).name}")
+                return 128 + self.stop_signal
+            if failure is None:
+                failure = self.coordinator.finish(attempt)
+                if failure is None:
+                    return 0
+            self._stop_all(signal.SIGTERM, self.spec.grace_s)
+            _say(failure.summary())
+        assert failure is not None
+        return failure.exit_code()
+
+    def _start(self, attempt: int, addr: str, port: int, extra: dict[str, str]) -> None:
+        spec = self.spec
+        base = dict(os.environ)
+        base.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+        base.update(extra)
+        base.update(
+            WORLD_SIZE=str(spec.world_size),
+            LOCAL_WORLD_SIZE=str(spec.nproc_per_node),
+            GROUP_RANK=str(spec.node_rank),
+            NODE_RANK=str(spec.node_rank),
+            ROLE_NAME="default",
+            ROLE_WORLD_SIZE=str(spec.world_size),
+            MASTER_ADDR=addr,
+            MASTER_PORT=str(port),
+            TORCHELASTIC_RESTART_COUNT=str(attempt),
+            TANDEM_RESTART_COUNT=str(attempt),
+            TORCHELASTIC_MAX_RESTARTS=str(spec.max_restarts),
+            TORCHELASTIC_RUN_ID=spec.run_id,
+            PYTHONUNBUFFERED="1",
+        )
+        if spec.backend:
+            base["TANDEM_BACKEND"] = spec.backend
+        if spec.nproc_per_node > 1 and "OMP_NUM_THREADS" not in os.environ:
+            # N workers each starting one thread per core would oversubscribe the node N times.
+            base["OMP_NUM_THREADS"] = "1"
+        self.workers = []
+        for local_rank in range(spec.nproc_per_node):
+            rank = spec.global_rank(local_rank)
+            env = dict(base, RANK=str(rank), LOCAL_RANK=str(local_rank), ROLE_RANK=str(rank))
+            log = None
+            if spec.log_dir is not None:
+                log = spec.log_dir / f"attempt_{attempt}" / f"rank_{rank}"
+                log.mkdir(parents=True, exist_ok=True)
+            self.workers.append(Worker(spec, local_rank, env, log))
+
+    def _watch(self, attempt: int) -> Failure | None:
+        """Until all workers succeed (None), one fails, another node fails, or a signal."""
+        while self.stop_signal is None:
+            codes = [w.proc.poll() for w in self.workers]
+            for worker, code in zip(self.workers, codes, strict=True):
+                if code is not None and code != 0:
+                    # Stop the others first: reading the failed worker's last lines can wait.
+                    for other in self.workers:
+                        other.signal(signal.SIGTERM)
+                    failure = Failure(
+                        worker.rank, worker.local_rank, self.host, code, worker.drained_tail()
+                    )
+                    self.coordinator.report_failure(attempt, failure)
+                    return failure
+            if all(code == 0 for code in codes):
+                for w in self.workers:
+                    w.drained_tail()
+                return None
+            remote = self.coordinator.remote_failure(attempt)
+            if remote is not None:
+                return remote
+            time.sleep(0.02)
+        return None
+
+    def _stop_all(self, signum: int, grace: float) -> None:
+        alive = [w for w in self.workers if w.proc.poll() is None]
+        for w in alive:
+            w.signal(signum)
+        deadline = time.monotonic() + grace
+        while any(w.proc.poll() is None for w in alive) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        for w in alive:
+            if w.proc.poll() is None:
+                w.signal(signal.SIGKILL)
+            w.proc.wait()
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        for w in self.workers:
+            w.signal(signum)
+        if signum != signal.SIGUSR1:  # USR1 asks the workers to checkpoint: they carry on
+            self.stop_signal = signum
+
+
+def _say(message: str) -> None:
+    text = message if message.startswith("tandem run") else f"tandem run: {message}"
+    print(text, file=sys.stderr, flush=True)
+
+
+_libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+
+
+def _in_own_group_dying_with_parent() -> None:
+    # Runs in the child between fork and exec: its own process group, so that a signal to the
+    # worker reaches its children too; and SIGKILL when the launcher dies, so nothing outlives it.
+    os.setsid()
+    if _libc is not None:
+        _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def _relay(
+    pipe: IO[bytes] | None,
+    out: IO[str],
+    prefix: str | None,
+    log_dir: Path | None,
+    name: str,
+    tail: deque[str] | None,
+) -> threading.Thread:
+    def pump() -> None:
+        assert pipe is not None
+        log = open(log_dir / f"{name}.log", "w") if log_dir is not None else None  # noqa: SIM115
+        try:
+            for raw in iter(pipe.readline, b""):
+                line = raw.decode("utf-8", errors="replace").rstrip("\n")
+                if tail is not None:
+                    tail.append(line)
+                if log is not None:
+                    log.write(line + "\n")
+                    log.flush()
+                if prefix is not None:
+                    out.write(f"{prefix}{line}\n")
+                    out.flush()
+        finally:
+            if log is not None:
+                log.close()
+
+    thread = threading.Thread(target=pump, daemon=True)
+    thread.start()
+    return thread
