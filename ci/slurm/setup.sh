@@ -10,6 +10,8 @@
 set -euo pipefail
 
 log() { echo "setup.sh: $*"; }
+# Not `sbatch --version`: it fails until slurm.conf exists.
+slurm_version() { dpkg-query -W -f='slurm-wlm ${Version}' slurm-wlm 2>/dev/null || slurmd -V; }
 die() { echo "setup.sh: error: $*" >&2; exit 1; }
 
 [[ $(id -u) -eq 0 ]] || die "run as root (it installs packages and starts daemons as root)"
@@ -25,7 +27,7 @@ slurmd_pidfile=/run/slurmd.pid
 # --- packages --------------------------------------------------------------------------------
 if command -v sbatch >/dev/null && command -v slurmctld >/dev/null \
     && command -v slurmd >/dev/null && command -v munged >/dev/null; then
-    log "slurm and munge already installed ($(sbatch --version))"
+    log "slurm and munge already installed ($(slurm_version))"
 else
     log "installing slurm-wlm and munge with apt-get"
     export DEBIAN_FRONTEND=noninteractive
@@ -42,7 +44,7 @@ else
     apt-get update -q
     apt-get install -y -q --no-install-recommends slurm-wlm munge
     [[ $own_policy -eq 0 ]] || rm -f "$policy"
-    log "installed $(sbatch --version)"
+    log "installed $(slurm_version)"
 fi
 
 # --- host name -------------------------------------------------------------------------------
@@ -104,6 +106,9 @@ ClusterName=tandem-ci
 SlurmctldHost=$host
 AuthType=auth/munge
 CredType=cred/munge
+# A requeued job may start again only after the credential lifetime, 120 s by default; 10 s
+# keeps the requeue test quick, and is plenty for a step to launch on this one host.
+AuthInfo=cred_expire=10
 SlurmUser=root
 SlurmdUser=root
 SlurmctldPort=6817
@@ -123,6 +128,9 @@ JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 JobCompType=jobcomp/none
 SchedulerType=sched/backfill
+# Look at pending jobs every 2 s, not every 60 (30 for backfill): a requeued test job then starts
+# as soon as it may. Cheap with one node and a handful of jobs.
+SchedulerParameters=sched_interval=2,bf_interval=2
 # Cores are the consumable, not memory: a job without --mem then does not take the whole
 # node's memory and block the next test's job.
 SelectType=select/cons_tres

@@ -92,6 +92,7 @@ def test_file_init_method(tmp_path):
 
 def test_slurm_variables_alone():
     slurm = {
+        "SLURM_STEP_ID": "0",
         "SLURM_PROCID": "{rank}",
         "SLURM_LOCALID": "{rank}",
         "SLURM_NODEID": "0",

@@ -85,7 +85,7 @@ class Report:
 class NodeRun:
     node_rank: int
     command: list[str]
-    returncode: int | None  # None: killed at the timeout
+    returncode: int | None  # None: stopped, still running at the timeout or after a peer failed
     output: str
 
     def shown(self) -> str:
@@ -114,8 +114,9 @@ def _env(node: Node) -> dict[str, str]:
         for k, v in os.environ.items()
         if k not in _TORCHRUN_VARIABLES and not k.startswith(_LAUNCHER_PREFIXES)
     }
-    # Gloo otherwise picks the address the hostname resolves to, which is the host's (both
-    # namespaces share its hostname) and unreachable from the other node: name the veth.
+    # Gloo otherwise binds to the address the hostname resolves to: the namespaces share the
+    # host's hostname, often mapped to 127.0.0.1, which the other node cannot reach (without
+    # this line the run fails in Gloo's connect). Name the veth instead.
     env["GLOO_SOCKET_IFNAME"] = node.interface
     # CPU and Gloo: on a machine with one GPU, four ranks cannot have one each.
     env["CUDA_VISIBLE_DEVICES"] = ""
@@ -174,9 +175,11 @@ def run_two_nodes(launcher: list[str], logs: Path) -> list[NodeRun]:
 def check_two_nodes(runs: list[NodeRun]) -> None:
     """Every assertion of this module's docstring, on the two launchers' runs."""
     shown = "\n\n".join(run.shown() for run in runs)
+    # A failure first: the other node, stopped after it, is a consequence ("exit None").
+    for run in runs:
+        assert run.returncode in (None, 0), f"node {run.node_rank} failed\n{shown}"
     for run in runs:
         assert run.returncode is not None, f"node {run.node_rank} ran past {TIMEOUT_S} s\n{shown}"
-        assert run.returncode == 0, f"node {run.node_rank} failed\n{shown}"
 
     everyone: list[Report] = []
     for run in runs:

@@ -35,6 +35,7 @@ TORCHRUN = {
     "MASTER_PORT": "29500",
 }
 SLURM = {
+    "SLURM_STEP_ID": "0",
     "SLURM_PROCID": "6",
     "SLURM_LOCALID": "2",
     "SLURM_NODEID": "1",
@@ -271,6 +272,7 @@ def test_world_before_init_in_one_process(clean_env):
 
 
 def test_world_before_init_in_a_job_raises(clean_env):
+    clean_env.setenv("SLURM_STEP_ID", "0")
     clean_env.setenv("SLURM_PROCID", "1")
     clean_env.setenv("SLURM_NTASKS", "2")
     clean_env.setenv("SLURM_LOCALID", "1")
@@ -321,3 +323,10 @@ def test_nccl_sets_the_device_before_creating_the_group(clean_env):
         "timeout": timedelta(seconds=12.5),
     }
     assert (w.backend, w.device, w.rank, w.is_main) == ("nccl", torch.device("cuda:1"), 1, False)
+
+
+def test_slurm_batch_script_itself_is_one_process():
+    # the batch shell has the job's SLURM_NTASKS and SLURM_PROCID=0 but is no srun task
+    batch = {k: v for k, v in SLURM.items() if k != "SLURM_STEP_ID"} | {"SLURM_PROCID": "0"}
+    placement = placement_from_env(batch)
+    assert (placement.world_size, placement.source) == (1, "none")

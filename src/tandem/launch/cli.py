@@ -180,12 +180,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tandem", description=__doc__.split("\n")[0])
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_run(subparsers)
-    try:  # TEMPORARY until slurm.py lands
-        from tandem.launch import slurm
+    from tandem.launch import slurm
 
-        slurm.register(subparsers)
-    except ImportError:
-        pass
+    slurm.register(subparsers)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

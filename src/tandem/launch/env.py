@@ -81,7 +81,8 @@ def placement_from_env(environ: Mapping[str, str]) -> Placement:
     """Read this process's rank, world size and rendezvous address from ``environ``.
 
     The first launcher whose variables are present is used: torchrun (RANK, WORLD_SIZE,
-    LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK or NODE_RANK), then SLURM's srun (SLURM_PROCID,
+    LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK or NODE_RANK), then SLURM's srun (SLURM_STEP_ID and
+    SLURM_PROCID,
     SLURM_NTASKS, SLURM_LOCALID, SLURM_NODEID, SLURM_NTASKS_PER_NODE or SLURM_TASKS_PER_NODE),
     then OpenMPI (OMPI_COMM_WORLD_RANK, _SIZE, _LOCAL_RANK, _LOCAL_SIZE). torchrun comes first
     because a torchrun started inside a SLURM or MPI job is the one that knows its workers.
@@ -101,7 +102,7 @@ def placement_from_env(environ: Mapping[str, str]) -> Placement:
 
     Example::
 
-        >>> p = placement_from_env({"SLURM_PROCID": "5", "SLURM_NTASKS": "8",
+        >>> p = placement_from_env({"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_STEP_ID": "0",
         ...     "SLURM_LOCALID": "1", "SLURM_NODEID": "1", "SLURM_TASKS_PER_NODE": "4(x2)",
         ...     "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_JOB_ID": "123456"})
         >>> (p.rank, p.local_rank, p.node_rank, p.master_addr, p.master_port, p.source)
@@ -109,7 +110,10 @@ def placement_from_env(environ: Mapping[str, str]) -> Placement:
     """
     if "RANK" in environ or "WORLD_SIZE" in environ:
         return _from_torchrun(environ)
-    if "SLURM_PROCID" in environ and "SLURM_NTASKS" in environ:
+    # Only a task srun started (a job step, SLURM_STEP_ID set) is one of SLURM_NTASKS: the
+    # batch script itself carries SLURM_PROCID=0 and the job's SLURM_NTASKS too, and a plain
+    # `python train.py` there is one process, not rank 0 of a job waiting for peers forever.
+    if "SLURM_PROCID" in environ and "SLURM_NTASKS" in environ and "SLURM_STEP_ID" in environ:
         return _from_slurm(environ)
     if "OMPI_COMM_WORLD_RANK" in environ:
         return _from_openmpi(environ)

@@ -17,16 +17,16 @@ from collections.abc import Mapping, Sequence
 from tandem.launch.env import slurm_master_port
 from tandem.launch.hostlist import expand_hostlist
 
-# Slurm warns the batch shell this long before the time limit, leaving the requeue and the
-# workers' last checkpoint a minute and a half: what a checkpoint of a few GB needs on shared
-# storage.
+# Slurm warns the batch shell this long before the time limit: time for the requeue request and
+# for workers that checkpoint on SIGTERM to write one, without giving up much of the allocation.
 SIGNAL_LEAD_S = 90
-# Slurm checks its signal timers about once a minute, so the warning may come up to 60 s early:
-# a time limit shorter than this would be warned (and requeued) as soon as it starts.
+# "Due to the resolution of event handling by Slurm, the signal may be sent up to 60 seconds
+# earlier than specified" (sbatch(1)): a shorter job would be warned, and requeued, at its start,
+# and again at every restart.
 MIN_TIME_S = SIGNAL_LEAD_S + 60
 
-# Minutes ("90") or [D-]HH:MM:SS ("1-12:00:00", "01:30:00"): the two forms people write in
-# scripts, and both mean the same to every Slurm since 2.x.
+# Minutes ("90") or [D-]HH:MM:SS ("1-12:00:00", "01:30:00"): the forms of --time that scripts
+# use; Slurm's rarer ones (MM:SS, D-HH, D-HH:MM) are refused rather than misread.
 _DIGITS = re.compile(r"[0-9]+")
 _CLOCK = re.compile(r"(?:(?P<d>[0-9]+)-)?(?P<h>[0-9]{1,3}):(?P<m>[0-9]{2}):(?P<s>[0-9]{2})")
 
@@ -91,7 +91,7 @@ def build_sbatch_script(
     Args:
         nodes: number of nodes, at least 1.
         gpus_per_node: GPUs per node, one worker each; 0 for a CPU job.
-        time: time limit, minutes ("90") or ``[D-]HH:MM:SS``; longer than 150 s, so the requeue
+        time: time limit, minutes ("90") or ``[D-]HH:MM:SS``; at least 150 s, so the requeue
             warning does not come at the start.
         script_args: the training script (or module, with ``module=True``) and its arguments.
         partition: the partition to submit to; the cluster's default when None.
@@ -155,8 +155,9 @@ def build_sbatch_script(
         "--requeue",
     ]
 
-    # srun reads no --cpus-per-task from the job in Slurm 22.05 to 23.02 (each task would get
-    # one CPU for all its workers), so the step asks for it itself.
+    # srun in Slurm 22.05 and 23.02 does not take --cpus-per-task from the job
+    # (SLURM_CPUS_PER_TASK), so each task would be bound to one CPU for all its workers; the
+    # step asks for it itself.
     srun = ["srun", "--kill-on-bad-exit=1"]
     if cpus_per_task is not None:
         srun.append(f"--cpus-per-task={cpus_per_task}")
