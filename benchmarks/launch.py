@@ -109,7 +109,12 @@ def _run(launcher: str, nproc: int, args: argparse.Namespace) -> dict[str, float
     """One launch of the probe; seconds for each of METRICS."""
     cmd = _command(launcher, nproc, args) if launcher != "bare" else ["bare"]
     with tempfile.TemporaryDirectory(prefix="tandem-launch-") as out:
-        env = {**os.environ, "TANDEM_BENCH_OUT": out, "OMP_NUM_THREADS": "1"}
+        env = {
+            **os.environ,
+            "TANDEM_BENCH_OUT": out,
+            "OMP_NUM_THREADS": "1",
+            "TANDEM_PROBE_INIT": args.init,
+        }
         t0 = time.time()
         start = time.perf_counter()
         if launcher == "bare":
@@ -175,6 +180,12 @@ def main(argv: list[str] | None = None) -> dict:
         help="also time the probes started directly, no launcher: the floor for both",
     )
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per launch")
+    parser.add_argument(
+        "--init",
+        choices=["tandem", "torch"],
+        default="tandem",
+        help="the probe joins with tandem.init() or plain init_process_group (same for both)",
+    )
     parser.add_argument("--json", type=Path, default=RESULTS / "launch.json")
     args = parser.parse_args(argv)
     if args.quick:
@@ -188,6 +199,7 @@ def main(argv: list[str] | None = None) -> dict:
         "processor": platform.processor() or platform.machine(),
         "python": platform.python_version(),
         "torch": torch.__version__,
+        "probe_init": args.init,
         "pairs": args.pairs,
         "tandem_cmd": shlex.join(args.tandem_cmd),
         "torchrun_rdzv": (

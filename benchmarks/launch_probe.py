@@ -6,12 +6,11 @@ machine) and writes them to ``$TANDEM_BENCH_OUT/rank<RANK>.json``:
 - ``started``: the first line of this script, before torch is imported: what the launcher and
   the interpreter's own start-up cost;
 - ``imported``: after ``import torch.distributed``;
-- ``init``: right after ``init_process_group("gloo")`` returns, which is the moment the issue
-  measures to.
+- ``init``: right after ``tandem.init(backend="gloo")`` (or, with TANDEM_PROBE_INIT=torch,
+  plain ``init_process_group("gloo")``) returns, which is the moment the issue measures to.
 
-Then one barrier, so that no rank tears down while a peer is still connecting, and exit. The
-probe uses plain ``torch.distributed`` rather than ``tandem.init()`` so that both launchers run
-exactly the same worker.
+Then one barrier, so that no rank tears down while a peer is still connecting, and exit. Both
+launchers run exactly the same worker either way.
 """
 
 import time
@@ -25,7 +24,12 @@ from pathlib import Path  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 imported = time.time()
-dist.init_process_group("gloo")
+if os.environ.get("TANDEM_PROBE_INIT", "tandem") == "tandem":
+    import tandem
+
+    tandem.init(backend="gloo")
+else:
+    dist.init_process_group("gloo")
 init = time.time()
 rank = dist.get_rank()
 dist.barrier()

@@ -148,6 +148,8 @@ def init(
         init_method = init_method or "env://"
         if init_method.startswith("env://"):
             _export_master(placement)
+        if placement.rank != 0:
+            _wait_for_rank0(init_method, delta)
         dist.init_process_group(
             backend,
             init_method=init_method,
@@ -339,3 +341,33 @@ def _export_master(placement: Placement) -> None:
                 "free port): export them, or pass init_method='tcp://HOST:PORT'"
             )
         os.environ.setdefault(name, str(value))
+
+
+def _wait_for_rank0(init_method: str, timeout: timedelta | None) -> None:
+    """Return once rank 0's store accepts connections (or at the deadline, and let torch fail).
+
+    torch's store client backs off for most of a second after a refused connection; ranks that
+    finish importing torch before rank 0 listens would all pay it. Polling every 10 ms instead
+    gets every rank past init as soon as rank 0 is.
+    """
+    import socket
+    import time
+
+    if init_method.startswith("env://"):
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            return  # the launcher's store, listening since before this process started
+        host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    elif init_method.startswith("tcp://"):
+        parts = urlsplit(init_method)
+        host, port = parts.hostname or "", parts.port or 0
+    else:
+        return
+    deadline = time.monotonic() + (timeout.total_seconds() if timeout else 1800.0)
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((host, port), timeout=1.0):
+                return
+        except socket.gaierror:
+            return  # an unknown host: torch's own error says it best
+        except OSError:
+            time.sleep(0.01)
