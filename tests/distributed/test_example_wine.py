@@ -1,4 +1,4 @@
-"""The wine example trains, unchanged, as one process and as two processes under torchrun.
+"""The wine example trains, unchanged, as one process and as two under torchrun and tandem run.
 
 Proves: ``python -m tandem.examples.wine`` and ``torchrun --nproc-per-node 2 -m
 tandem.examples.wine`` both exit 0; the header reports the number of processes the launcher
@@ -108,6 +108,23 @@ def test_two_processes_under_torchrun():
         "2",
         "--master-port",
         str(free_port()),
+        "-m",
+        "tandem.examples.wine",
+        "--epochs",
+        str(EPOCHS),
+    ]
+    _check_trained(_run(command, timeout=180), processes=2)
+
+
+def test_two_processes_under_tandem_run():
+    command = [
+        sys.executable,
+        "-m",
+        "tandem.launch.cli",
+        "run",
+        "--nproc-per-node",
+        "2",
+        "--no-prefix",
         "-m",
         "tandem.examples.wine",
         "--epochs",

@@ -7,5 +7,5 @@
 Example::
 
     python -m tandem.examples.wine                          # one process
-    torchrun --nproc-per-node 2 -m tandem.examples.wine     # two processes, same code
+    tandem run --nproc-per-node 2 -m tandem.examples.wine   # two processes, same code
 """

@@ -9,8 +9,8 @@ averages the gradients so that every replica takes the same step.
 Run::
 
     python -m tandem.examples.wine                                   # one process
-    torchrun --nproc-per-node 2 -m tandem.examples.wine              # two processes
-    torchrun --nproc-per-node 2 -m tandem.examples.wine --epochs 50 --batch-size 8
+    tandem run --nproc-per-node 2 -m tandem.examples.wine            # two processes
+    tandem run --nproc-per-node 2 -m tandem.examples.wine --epochs 50 --batch-size 8
 
 Each epoch rank 0 prints the training loss averaged over all ranks and the test accuracy; the
 last line is ``final test accuracy A``.
