@@ -477,7 +477,10 @@ def test_no_placement_outside_a_step(environ):
         ({"SLURM_STEP_NUM_NODES": "two"}, "SLURM_STEP_NUM_NODES='two'"),
         ({"SLURM_STEP_NUM_NODES": "0"}, "SLURM_STEP_NUM_NODES='0'"),
         ({"SLURM_JOB_ID": "12a"}, "SLURM_JOB_ID='12a'"),
-        ({"SLURM_STEP_NODELIST": "gpu[07-"}, "SLURM_STEP_NODELIST='gpu\\[07-'"),
+        (
+            {"SLURM_STEP_NODELIST": "gpu[07-"},
+            "SLURM_STEP_NODELIST=gpu\\[07- is not a valid hostlist",
+        ),
         ({"SLURM_STEP_NODELIST": ""}, "SLURM_STEP_NODELIST='' names no host"),
         ({"MASTER_PORT": "70000"}, "MASTER_PORT=70000"),
         ({"MASTER_PORT": "http"}, "MASTER_PORT='http'"),

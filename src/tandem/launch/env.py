@@ -204,7 +204,7 @@ def _from_slurm(environ: Mapping[str, str]) -> Placement:
     )
     addr, port = _master(environ)
     if addr is None:
-        addr = _slurm_first_host(environ)
+        addr = slurm_first_host(environ)
     job_name = next((n for n in ("SLURM_JOB_ID", "SLURM_JOBID") if n in environ), None)
     if port is None and job_name is not None:
         port = slurm_master_port(_var(environ, job_name).value)
@@ -308,8 +308,17 @@ def _master_of(placement: Placement) -> tuple[str | None, int | None]:
     return placement.master_addr, placement.master_port
 
 
-def _slurm_first_host(environ: Mapping[str, str]) -> str | None:
-    for name in ("SLURM_JOB_NODELIST", "SLURM_NODELIST"):
+def slurm_first_host(
+    environ: Mapping[str, str], names: tuple[str, ...] = ("SLURM_JOB_NODELIST", "SLURM_NODELIST")
+) -> str | None:
+    """The first host of the first of ``names`` that is set (a SLURM hostlist), or None.
+
+    Example::
+
+        >>> slurm_first_host({"SLURM_JOB_NODELIST": "gpu[07-08],cpu3"})
+        'gpu07'
+    """
+    for name in names:
         if name in environ:
             raw = environ[name]
             try:

@@ -14,8 +14,7 @@ import shlex
 import sys
 from collections.abc import Mapping, Sequence
 
-from tandem.launch.env import slurm_master_port
-from tandem.launch.hostlist import expand_hostlist
+from tandem.launch.env import slurm_first_host, slurm_master_port
 
 # Slurm warns the batch shell this long before the time limit: time for the requeue request and
 # for workers that checkpoint on SIGTERM to write one, without giving up much of the allocation.
@@ -418,20 +417,15 @@ def _count(environ: Mapping[str, str], name: str, *, minimum: int) -> int:
 
 
 def _first_host(environ: Mapping[str, str]) -> str:
-    name = _first_set(environ, ("SLURM_STEP_NODELIST", "SLURM_NODELIST", "SLURM_JOB_NODELIST"))
-    if name is None:
+    # The step's own list first: `srun -N2 -w ...` inside a larger job starts on its nodes.
+    names = ("SLURM_STEP_NODELIST", "SLURM_NODELIST", "SLURM_JOB_NODELIST")
+    host = slurm_first_host(environ, names)
+    if host is None:
         raise ValueError(
-            "none of SLURM_STEP_NODELIST, SLURM_NODELIST, SLURM_JOB_NODELIST is set, so the "
-            "rendezvous host is unknown; srun sets them, or export MASTER_ADDR"
+            f"none of {', '.join(names)} is set, so the rendezvous host is unknown; srun sets "
+            "them, or export MASTER_ADDR"
         )
-    raw = environ[name]
-    try:
-        hosts = expand_hostlist(raw)
-    except ValueError as exc:
-        raise ValueError(f"{name}={raw!r} is not a valid hostlist: {exc}") from None
-    if not hosts:
-        raise ValueError(f"{name}={raw!r} names no host")
-    return hosts[0]
+    return host
 
 
 def _argument(check):
