@@ -249,6 +249,7 @@ def _relay(
 ) -> threading.Thread:
     def pump() -> None:
         assert pipe is not None
+        echo = prefix is not None
         log = open(log_dir / f"{name}.log", "w") if log_dir is not None else None  # noqa: SIM115
         try:
             for raw in iter(pipe.readline, b""):
@@ -258,9 +259,14 @@ def _relay(
                 if log is not None:
                     log.write(line + "\n")
                     log.flush()
-                if prefix is not None:
-                    out.write(f"{prefix}{line}\n")
-                    out.flush()
+                if echo:
+                    try:
+                        out.write(f"{prefix}{line}\n")
+                        out.flush()
+                    except (OSError, ValueError):
+                        # Our own output is gone (a closed pipe): keep draining the worker's,
+                        # or it blocks on a full pipe and the job hangs.
+                        echo = False
         finally:
             if log is not None:
                 log.close()
