@@ -28,6 +28,9 @@ _LAZY = {
 
 __all__ = [
     "DDP",
+    "data",
+    "groups",
+    "metrics",
     "DistributedDataParallel",
     "GradBucket",
     "World",
@@ -41,7 +44,13 @@ __all__ = [
 __version__ = "0.1.0"
 
 
+# Submodules reachable as attributes after a bare `import tandem` (tandem.groups.partition(...)).
+_SUBMODULES = ("data", "groups", "metrics")
+
+
 def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        return importlib.import_module(f"tandem.{name}")
     if name not in _LAZY:
         raise AttributeError(f"module 'tandem' has no attribute {name!r}")
     module, attribute = _LAZY[name]

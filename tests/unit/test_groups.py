@@ -51,7 +51,7 @@ def test_strided_is_the_transpose_of_partition(ws_gs: tuple[int, int]) -> None:
     world_size, group_size = ws_gs
     parts = partition_ranks(world_size, group_size)
     groups = strided_ranks(world_size, group_size)
-    assert groups == [list(column) for column in zip(*parts)]
+    assert groups == [list(column) for column in zip(*parts, strict=True)]
     assert sorted(r for g in groups for r in g) == list(range(world_size))
     assert len(groups) == group_size
     assert all(len(g) == world_size // group_size for g in groups)

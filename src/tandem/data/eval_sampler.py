@@ -104,6 +104,8 @@ class EvalSampler(Sampler[int]):
         return len(self.indices)
 
     def set_epoch(self, epoch: int) -> None:
-        """Accepted and ignored: evaluation order never changes, but loops that call
-        ``set_epoch`` on every sampler (as training loops must) should not have to special-case
-        this one."""
+        """Accepted and ignored: evaluation order never changes.
+
+        Loops call ``set_epoch`` on every sampler (training samplers need it); this one should
+        not have to be special-cased.
+        """

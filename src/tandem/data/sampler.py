@@ -150,9 +150,10 @@ class DistributedSampler(Sampler[int]):
         # The one rule: rank r's j-th sample sits at position r + j * R of the epoch's order made
         # total_size long. Padding repeats the order from its start, so position p holds
         # order[p % n]; with drop_last, total_size <= n and the modulo never wraps.
-        positions = torch.arange(
-            self.rank + start * self.num_replicas, self.total_size, self.num_replicas
-        )
+        # (Clamped: a rank resuming at the epoch's end starts past total_size, which arange
+        # refuses rather than answering empty.)
+        first = min(self.rank + start * self.num_replicas, self.total_size)
+        positions = torch.arange(first, self.total_size, self.num_replicas)
         return order[positions % n].tolist()
 
     def _yield(self, indices: list[int], live: int) -> Iterator[int]:
