@@ -28,14 +28,14 @@ _LAZY = {
 
 __all__ = [
     "DDP",
-    "data",
-    "groups",
-    "metrics",
     "DistributedDataParallel",
     "GradBucket",
     "World",
+    "data",
     "drop_zero_grads",
+    "groups",
     "init",
+    "metrics",
     "shutdown",
     "spawn",
     "world",
