@@ -305,3 +305,30 @@ def test_import_does_not_load_torch_numpy_or_tqdm():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_tandem_command_converts(tmp_path):
+    # the real `tandem` command line, as a user types it
+    out = tmp_path / "small.lmdb"
+    cmd = [
+        sys.executable,
+        "-m",
+        "tandem.launch.cli",
+        "lmdb",
+        "convert",
+        "--dataset",
+        "tests.unit.lmdb_data:SMALL",
+        "--out",
+        str(out),
+        "--no-progress",
+    ]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=60)
+    info = subprocess.run(
+        [sys.executable, "-m", "tandem.launch.cli", "lmdb", "info", str(out)],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert "5" in info.stdout
+    assert len(LMDBDataset(out)) == 5

@@ -171,6 +171,15 @@ _ENVS: dict[tuple[int, int], tuple[int, Any]] = {}
 _ENVS_LOCK = threading.Lock()
 
 
+def _new_lock_after_fork() -> None:
+    # A fork while another thread held the lock would leave it held forever in the child.
+    global _ENVS_LOCK
+    _ENVS_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_lock_after_fork)
+
+
 def _data_file(path: Path, subdir: bool) -> Path:
     return path / "data.mdb" if subdir else path
 

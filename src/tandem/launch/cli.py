@@ -180,9 +180,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tandem", description=__doc__.split("\n")[0])
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_run(subparsers)
+    from tandem.data import lmdb as data_lmdb
     from tandem.launch import slurm
 
     slurm.register(subparsers)
+    data_lmdb.register(subparsers)
     args = parser.parse_args(argv)
     try:
         return args.func(args)
