@@ -11,7 +11,8 @@ The oracle is the loader itself, read directly on the same rank with the same sa
 - batches vary in shape (padded variable-length sequences, a short last batch) and dtype (bool,
   int64, int32, float16, float64: the flat buffer's alignment) and carry non-tensor metadata
   (string ids, ints, a tuple) in dicts, lists and a named tuple.
-- the leader's loader raising, while reading or while being built: every rank raises
+- the leader's loader raising, while reading or while being built, or yielding metadata that
+  cannot be pickled: every rank raises
   LoaderError naming the reading rank and the cause (no hang: the harness timeout would fail it),
   and the group stays in step for the next loader.
 - ranks that disagree on the leader: ValueError on every rank.
@@ -158,13 +159,21 @@ def _scatter_mode(grouped: bool) -> dict[str, Any]:
 
 
 def _failing() -> dict[str, str]:
-    """Three failures in turn, in one world: after each, the group is still in step."""
+    """Failures in turn, in one world: after each, the group is still in step for the next."""
     messages = {}
-    for mode, when in [("broadcast", "read"), ("scatter", "read"), ("broadcast", "build")]:
+    cases = [
+        ("broadcast", "read"),
+        ("scatter", "read"),
+        ("broadcast", "build"),
+        ("scatter", "pickle"),
+    ]
+    for mode, when in cases:
 
-        def build(r: int = 0, mode: str = mode, when: str = when) -> DataLoader:
+        def build(r: int = 0, mode: str = mode, when: str = when) -> Any:
             if when == "build":
                 raise RuntimeError(f"no such file: shard-{r}")
+            if when == "pickle":  # metadata that cannot travel: a local function
+                return [{"x": torch.ones(2), "f": lambda: r}]
             # Broadcast mode: the leader's loader fails; scatter mode: the one read for rank 2.
             fails = mode == "broadcast" or r == 2
             dataset = Sequences(fail_at=7 if fails else None)
@@ -230,10 +239,13 @@ def test_an_error_of_the_leaders_loader_is_raised_on_every_rank():
             assert "the loader on rank 0 raised" in message, where
             if case.endswith("build"):
                 assert "RuntimeError: no such file: shard-0" in message, where
+            elif case.endswith("pickle"):
+                assert "reading batch 0 of the epoch for rank 0" in message, where
+                assert "pickle local object" in message, where
             else:
                 assert "OSError: disk error reading sample 7" in message, where
                 assert "reading batch 2 of the epoch" in message, where
-            if case.startswith("scatter"):
+            if case == "scatter-read":
                 assert "for rank 2" in message, where
 
 

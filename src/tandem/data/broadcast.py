@@ -1,34 +1,41 @@
 """Read once per group, share over the network: :class:`BroadcastLoader`.
 
 On many nodes the storage is often what limits training: every rank reading its batches makes
-as many reads as there are ranks. A BroadcastLoader lets one rank per group (the *reader*) touch
+as many reads as there are ranks. A BroadcastLoader lets one rank per group (the *leader*) touch
 the storage and send the batches to the others.
 
 The protocol, per batch, in both modes:
 
-1. the reader takes the next batch from its loader and packs it: every tensor is copied into one
-   flat byte buffer on ``device``; the rest goes into a small header (the batch's structure with
-   each tensor replaced by a slot, the tensors' shapes, dtypes and offsets, non-tensor leaves);
-2. the header travels as a pickled object. It is a batch, the end of the epoch or the reader's
-   error, so the members stop when the reader's loader ends and raise when it raises, instead of
-   waiting for a batch that will never come;
-3. the buffer travels as one tensor (one transfer per batch, whatever its number of tensors and
-   dtypes); a receiver allocates it from the size in the header, so batches may vary in shape;
-4. every rank, the reader included, yields the batch rebuilt from views into the buffer.
+1. the leader takes the next batch from its loader and flattens it: its tensors, and a small
+   header (the batch's structure with each tensor replaced by a slot, the tensors' shapes,
+   dtypes and byte offsets, the non-tensor leaves as they are);
+2. it encodes one message, a byte tensor on ``device``: the tensors' bytes, then the pickled
+   header. A header is a batch, the end of the epoch or the leader's error, so the members stop
+   when the leader's loader ends and raise when it raises, instead of waiting for a batch that
+   will never come;
+3. the message travels as two transfers: its sizes (so that a receiver allocates it, and batches
+   may vary in shape), then the message itself: two round trips per batch, whatever its number
+   of tensors and dtypes (a header sent with ``broadcast_object_list`` would add a third);
+4. every rank, the leader included, yields the batch rebuilt from views into the message.
 """
 
 from __future__ import annotations
 
-import math
 import os
-import traceback
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
+
+from tandem.data.batch_codec import (
+    Header,
+    decode,
+    encode,
+    error_header,
+    flatten,
+    unpack,
+)
 
 MODES = ("broadcast", "scatter")
 
@@ -36,39 +43,11 @@ Mode = Literal["broadcast", "scatter"]
 
 
 class LoaderError(RuntimeError):
-    """The reader's loader raised: raised on every member, with the reader's traceback."""
+    """The leader's loader raised: raised on every member, with the leader's traceback."""
 
 
 class _InvalidSource(ValueError):
     """``loader_or_factory`` cannot be used: a ValueError on every member."""
-
-
-@dataclass(frozen=True)
-class _Slot:
-    """Where a tensor was in the batch: its index in the batch's list of tensors."""
-
-    index: int
-
-
-@dataclass(frozen=True)
-class _TensorSpec:
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    offset: int  # in bytes, into the batch's flat buffer
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
-
-
-@dataclass(frozen=True)
-class _Header:
-    kind: Literal["batch", "end", "error", "ready", "invalid"]
-    skeleton: Any = None  # the batch, each tensor replaced by a _Slot
-    specs: tuple[_TensorSpec, ...] = ()
-    nbytes: int = 0
-    error: str = ""
-    lengths: tuple[int | None, ...] = ()  # "ready" only: len() of each member's loader
 
 
 class BroadcastLoader:
@@ -209,12 +188,14 @@ class BroadcastLoader:
             try:
                 self._loaders = self._build(loader_or_factory)
                 lengths = tuple(_length(loader) for loader in self._loaders.values())
-                header = _Header("ready", lengths=lengths)
+                header = Header("ready", lengths=lengths)
             except _InvalidSource as exc:
-                header = _Header("invalid", error=f"BroadcastLoader on rank {self.leader}: {exc}")
+                header = Header("invalid", error=f"BroadcastLoader on rank {self.leader}: {exc}")
             except Exception as exc:
-                header, cause = _error_header(exc, self.leader, "building the loader"), exc
-        header, _ = self._broadcast(header, None)
+                header, cause = error_header(exc, self.leader, "building the loader"), exc
+            self._send(header, encode(header, [], self.device), to=None)
+        else:
+            header, _ = self._receive(from_group=True)
         if header.kind == "invalid":
             raise ValueError(header.error)
         if header.kind == "error":
@@ -241,7 +222,7 @@ class BroadcastLoader:
                 raise _InvalidSource(f"the loader for rank {rank} is not iterable: {loader!r}")
         return loaders
 
-    # --- the reader's side ------------------------------------------------------------------
+    # --- the leader's side ------------------------------------------------------------------
 
     def _read(self) -> Iterator[Any]:
         """Each step: read every member's next batch, deliver it, yield this rank's own."""
@@ -250,154 +231,88 @@ class BroadcastLoader:
         while streams:
             own = []  # this rank's batch of the step, if its loader has not ended
             for member, batches in list(streams.items()):
-                header, flat, cause = self._next(batches, member, step)
-                self._deliver(header, flat, member)
+                header, message, cause = self._next(batches, member, step)
+                self._deliver(header, message, member)
                 if header.kind == "error":
                     # The failing member was told by the delivery above; the others still
-                    # reading expect a header next, and get the error instead of a hang.
+                    # reading expect a message next, and get the error instead of a hang.
                     for other in streams:
                         if other != member:
-                            self._deliver(header, None, other)
+                            self._deliver(header, message, other)
                     raise LoaderError(header.error) from cause
                 if header.kind == "end":
                     del streams[member]
                 elif member == self.rank:
-                    own.append(_unpack(header, flat))
+                    own.append(unpack(header, message))
             yield from own
             step += 1
 
     def _next(
         self, batches: Iterator[Any], member: int, step: int
-    ) -> tuple[_Header, torch.Tensor | None, Exception | None]:
-        """The member's next batch packed, or the end, or the error that reading it raised
-        (and the exception itself, which stays on the leader: it may not pickle)."""
+    ) -> tuple[Header, torch.Tensor, Exception | None]:
+        """The member's next batch encoded, or the end, or the error that reading or encoding
+        it raised (with the exception itself, which stays on the leader: it may not pickle)."""
         try:
-            return (*_pack(next(batches), self.device), None)
+            header, tensors = flatten(next(batches))
+            return header, encode(header, tensors, self.device), None
         except StopIteration:
-            return _Header("end"), None, None
+            header, cause = Header("end"), None
         except Exception as exc:
             where = f"reading batch {step} of the epoch" + (
                 f" for rank {member}" if self.mode == "scatter" else ""
             )
-            return _error_header(exc, self.leader, where), None, exc
+            header, cause = error_header(exc, self.leader, where), exc
+        return header, encode(header, [], self.device), cause
+
+    def _deliver(self, header: Header, message: torch.Tensor, member: int) -> None:
+        # Broadcast mode: the batch is the whole group's. Scatter mode: it is one member's, and
+        # goes to that member alone (the leader keeps its own).
+        if self.mode == "broadcast":
+            self._send(header, message, to=None)
+        elif member != self.leader:
+            self._send(header, message, to=member)
 
     # --- the members' side ------------------------------------------------------------------
 
     def _receive_all(self) -> Iterator[Any]:
         while True:
-            header, flat = self._receive()
+            header, message = self._receive(from_group=self.mode == "broadcast")
             if header.kind == "error":
                 raise LoaderError(header.error)
             if header.kind == "end":
                 return
-            yield _unpack(header, flat)
+            yield unpack(header, message)
 
     # --- transport: the only place that communicates ----------------------------------------
 
-    def _deliver(self, header: _Header, flat: torch.Tensor | None, member: int) -> None:
-        """The leader sends ``member``'s header and buffer: to the group in broadcast mode (the
-        batch is everyone's), to that member alone in scatter mode (never to itself)."""
-        if self.mode == "broadcast":
-            self._broadcast(header, flat)
-        elif member != self.leader:
-            dist.send_object_list([header], dst=member, group=self.group, device=self.device)
-            if header.nbytes:
-                dist.send(flat, dst=member, group=self.group)
-
-    def _receive(self) -> tuple[_Header, torch.Tensor | None]:
-        """A member's side of ``_deliver``: the next header and its buffer."""
-        if self.mode == "broadcast":
-            return self._broadcast(None, None)
-        box: list[Any] = [None]
-        dist.recv_object_list(box, src=self.leader, group=self.group, device=self.device)
-        header, flat = box[0], None
-        if header.nbytes:
-            flat = torch.empty(header.nbytes, dtype=torch.uint8, device=self.device)
-            dist.recv(flat, src=self.leader, group=self.group)
-        return header, flat
-
-    def _broadcast(
-        self, header: _Header | None, flat: torch.Tensor | None
-    ) -> tuple[_Header, torch.Tensor | None]:
-        """The leader's header and buffer on every member (the leader passes them, the others
-        None); nothing to send in a group of one."""
+    def _send(self, header: Header, message: torch.Tensor, to: int | None) -> None:
+        """The leader sends a message to one member (``to``, a global rank) or the whole group
+        (``to=None``): its sizes first, so that the receivers can allocate it."""
         if len(self.ranks) == 1:
-            assert header is not None, "a group of one is its own leader"
-            return header, flat
-        box = [header]
-        dist.broadcast_object_list(box, src=self.leader, group=self.group, device=self.device)
-        header = box[0]
-        if header.nbytes:
-            if flat is None:
-                flat = torch.empty(header.nbytes, dtype=torch.uint8, device=self.device)
-            dist.broadcast(flat, src=self.leader, group=self.group)
-        return header, flat
+            return
+        sizes = torch.tensor([message.numel(), header.nbytes], device=self.device)
+        if to is None:
+            dist.broadcast(sizes, src=self.leader, group=self.group)
+            dist.broadcast(message, src=self.leader, group=self.group)
+        else:
+            dist.send(sizes, dst=to, group=self.group)
+            dist.send(message, dst=to, group=self.group)
 
-
-# --- packing: pure, no communication ----------------------------------------------------------
-
-
-def _pack(batch: Any, device: torch.device) -> tuple[_Header, torch.Tensor]:
-    """The batch's header and its tensors' bytes in one flat buffer on ``device``."""
-    tensors: list[torch.Tensor] = []
-
-    def to_slot(t: torch.Tensor) -> _Slot:
-        if t.layout != torch.strided:
-            raise TypeError(f"cannot send a tensor of layout {t.layout}; only strided tensors")
-        tensors.append(t)
-        return _Slot(len(tensors) - 1)
-
-    skeleton = _map_tensors(batch, to_slot, lambda x: isinstance(x, torch.Tensor))
-    specs, nbytes = [], 0
-    for t in tensors:
-        # Each tensor starts at a multiple of its element size: viewing bytes as a dtype needs it.
-        nbytes = -(-nbytes // t.element_size()) * t.element_size()
-        specs.append(_TensorSpec(tuple(t.shape), t.dtype, nbytes))
-        nbytes += t.numel() * t.element_size()
-    flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    for t, spec in zip(tensors, specs, strict=True):
-        raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
-        flat[spec.offset : spec.offset + spec.nbytes].copy_(raw)
-    return _Header("batch", skeleton, tuple(specs), nbytes), flat
-
-
-def _unpack(header: _Header, flat: torch.Tensor | None) -> Any:
-    """The batch rebuilt from the header, its tensors views into ``flat``."""
-    tensors = [
-        flat[s.offset : s.offset + s.nbytes].view(s.dtype).view(s.shape)  # type: ignore[index]
-        for s in header.specs
-    ]
-    return _map_tensors(header.skeleton, lambda slot: tensors[slot.index], _is_slot)
-
-
-def _map_tensors(obj: Any, fn: Callable[[Any], Any], is_leaf: Callable[[Any], bool]) -> Any:
-    """``obj`` with ``fn`` applied to its leaves, through tuples, lists, dicts and named tuples.
-
-    The one rule for what counts as structure: packing and unpacking both walk it, so a batch
-    is rebuilt with the types it had. Anything else is a value and travels pickled.
-    """
-    if is_leaf(obj):
-        return fn(obj)
-    if type(obj) in (dict, OrderedDict):
-        return type(obj)((k, _map_tensors(v, fn, is_leaf)) for k, v in obj.items())
-    if isinstance(obj, tuple) and hasattr(type(obj), "_fields"):  # a named tuple
-        return type(obj)(*(_map_tensors(v, fn, is_leaf) for v in obj))
-    if type(obj) in (tuple, list):
-        return type(obj)(_map_tensors(v, fn, is_leaf) for v in obj)
-    return obj
-
-
-def _is_slot(x: Any) -> bool:
-    return isinstance(x, _Slot)
-
-
-def _error_header(exc: BaseException, leader: int, where: str) -> _Header:
-    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    return _Header(
-        "error",
-        error=f"BroadcastLoader: the loader on rank {leader} raised while {where}: "
-        f"{type(exc).__name__}: {exc}\n--- traceback on rank {leader}:\n{text}",
-    )
+    def _receive(self, from_group: bool) -> tuple[Header, torch.Tensor]:
+        """A member's side of ``_send``: the header and the message, from a broadcast to the
+        group (``from_group``) or from a send to this member alone."""
+        sizes = torch.empty(2, dtype=torch.int64, device=self.device)
+        if from_group:
+            dist.broadcast(sizes, src=self.leader, group=self.group)
+        else:
+            dist.recv(sizes, src=self.leader, group=self.group)
+        total, data = sizes.tolist()
+        message = torch.empty(total, dtype=torch.uint8, device=self.device)
+        if from_group:
+            dist.broadcast(message, src=self.leader, group=self.group)
+        else:
+            dist.recv(message, src=self.leader, group=self.group)
+        return decode(message, data), message
 
 
 # --- small helpers ---------------------------------------------------------------------------
