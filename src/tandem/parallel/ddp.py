@@ -81,9 +81,7 @@ class DistributedDataParallel(nn.Module):
                 "pass device_ids=[local_rank] (or None) and start one process per device"
             )
         self.module = module
-        self.device = torch.device(device_ids[0]) if device_ids else None
-        if isinstance(device_ids, Sequence) and device_ids and isinstance(device_ids[0], int):
-            self.device = torch.device("cuda", device_ids[0])
+        self.device = _as_device(device_ids[0]) if device_ids else None
         self.output_device = output_device
         self.dim = dim
         self.broadcast_buffers = broadcast_buffers
@@ -199,6 +197,11 @@ def drop_zero_grads(model: nn.Module) -> int:
             p.grad = None
             dropped += 1
     return dropped
+
+
+def _as_device(device: int | str | torch.device) -> torch.device:
+    # torch's convention: a bare integer in device_ids is a CUDA device index.
+    return torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
 
 
 def _to_device(obj: Any, device: torch.device) -> Any:
