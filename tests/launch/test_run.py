@@ -55,10 +55,10 @@ def _env_lines(stdout: str) -> dict[int, dict]:
     return found
 
 
-def test_workers_get_torchruns_environment():
+def test_workers_get_torchruns_environment(tmp_path):
     ours = _env_lines(tandem_run("--nproc-per-node", "3", WORKERS, "env").stdout)
     port = str(free_port())
-    theirs = subprocess.run(
+    subprocess.run(
         [
             sys.executable,
             "-m",
@@ -73,11 +73,12 @@ def test_workers_get_torchruns_environment():
         capture_output=True,
         text=True,
         timeout=60,
-    ).stdout
+        check=True,
+        env={**os.environ, "ENV_OUT": str(tmp_path)},  # torchrun's output lines interleave
+    )
     theirs_env = {
-        json.loads(line[4:])["RANK"]: json.loads(line[4:])
-        for line in theirs.splitlines()
-        if line.startswith("ENV ")
+        json.loads(p.read_text())["RANK"]: json.loads(p.read_text())
+        for p in tmp_path.glob("rank*.json")
     }
     assert sorted(ours) == [0, 1, 2]
     for rank, env in ours.items():

@@ -33,7 +33,11 @@ if MODE == "env":
         "TORCHELASTIC_RUN_ID",
         "OMP_NUM_THREADS",
     ]
-    print("ENV " + json.dumps({n: os.environ.get(n) for n in names}))
+    found = {n: os.environ.get(n) for n in names}
+    print("ENV " + json.dumps(found))
+    if "ENV_OUT" in os.environ:  # torchrun interleaves its workers' unprefixed output
+        with open(os.path.join(os.environ["ENV_OUT"], f"rank{RANK}.json"), "w") as f:
+            json.dump(found, f)
 elif MODE == "fail":  # fail on rank ARGS[0]; the others wait long enough to be stopped
     if int(ARGS[0]) == RANK:
         time.sleep(0.5)
