@@ -30,6 +30,8 @@ from typing import Any
 import numpy as np
 from torch.utils.data import Sampler
 
+from tandem.data.replicas import replicas_and_rank
+
 ROUNDS = 8
 MAX_N = 2**63  # indices must fit torch's int64; positions (< n + R) then fit uint64 arithmetic
 
@@ -168,16 +170,7 @@ class BijectiveSampler(Sampler[int]):
         drop_last: bool = False,
     ) -> None:
         n = _length(n_or_dataset)
-        if num_replicas is None or rank is None:
-            from tandem.world import world
-
-            w = world()
-            num_replicas = w.world_size if num_replicas is None else num_replicas
-            rank = w.rank if rank is None else rank
-        if num_replicas < 1:
-            raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
-        if not 0 <= rank < num_replicas:
-            raise ValueError(f"rank {rank} not in [0, {num_replicas})")
+        num_replicas, rank = replicas_and_rank(num_replicas, rank)
         if seed < 0:
             raise ValueError(f"seed must be >= 0, got {seed}")
         self.n = n

@@ -18,6 +18,8 @@ from collections.abc import Iterator, Sized
 
 from torch.utils.data import Sampler
 
+from tandem.data.replicas import replicas_and_rank
+
 
 def shard_range(num_samples: int, num_replicas: int, rank: int) -> range:
     """The indices rank ``rank`` of ``num_replicas`` evaluates out of ``num_samples``.
@@ -84,13 +86,7 @@ class EvalSampler(Sampler[int]):
     def __init__(
         self, dataset: Sized, num_replicas: int | None = None, rank: int | None = None
     ) -> None:
-        if num_replicas is None or rank is None:
-            # Imported here: the world is only consulted when the caller leaves a default.
-            from tandem.world import world
-
-            w = world()
-            num_replicas = w.world_size if num_replicas is None else num_replicas
-            rank = w.rank if rank is None else rank
+        num_replicas, rank = replicas_and_rank(num_replicas, rank)
         self.dataset = dataset
         self.num_replicas = num_replicas
         self.rank = rank

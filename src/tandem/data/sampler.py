@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch.utils.data import Sampler
 
+from tandem.data.replicas import replicas_and_rank
+
 # The fields a state must share with the sampler it is loaded into: with any of them different,
 # the saved position points into another sequence of indices.
 _FIXED_FIELDS = ("dataset_len", "num_replicas", "seed", "shuffle", "drop_last")
@@ -84,18 +86,8 @@ class DistributedSampler(Sampler[int]):
         seed: int = 0,
         drop_last: bool = False,
     ) -> None:
-        if num_replicas is None or rank is None:
-            # Imported here: tandem.data must not pull in the process-group code until asked.
-            from tandem.world import world
-
-            w = world()
-            num_replicas = w.world_size if num_replicas is None else num_replicas
-            rank = w.rank if rank is None else rank
+        num_replicas, rank = replicas_and_rank(num_replicas, rank)
         n = len(dataset)
-        if num_replicas < 1:
-            raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
-        if not 0 <= rank < num_replicas:
-            raise ValueError(f"rank {rank} not in [0, {num_replicas})")
         if seed < 0:
             raise ValueError(f"seed must be >= 0, got {seed}")
         if n == 0:
