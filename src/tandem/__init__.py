@@ -15,11 +15,13 @@ if TYPE_CHECKING:
     from tandem.launch.spawn import spawn
     from tandem.parallel.comm_hooks import GradBucket
     from tandem.parallel.ddp import DistributedDataParallel, drop_zero_grads
+    from tandem.parallel.dp import DataParallel
 
     DDP = DistributedDataParallel
 
 _LAZY = {
     "DDP": ("tandem.parallel.ddp", "DistributedDataParallel"),
+    "DataParallel": ("tandem.parallel.dp", "DataParallel"),
     "DistributedDataParallel": ("tandem.parallel.ddp", "DistributedDataParallel"),
     "GradBucket": ("tandem.parallel.comm_hooks", "GradBucket"),
     "drop_zero_grads": ("tandem.parallel.ddp", "drop_zero_grads"),
@@ -28,6 +30,7 @@ _LAZY = {
 
 __all__ = [
     "DDP",
+    "DataParallel",
     "DistributedDataParallel",
     "GradBucket",
     "World",
