@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from tandem.parallel.comm_hooks import GradBucket
     from tandem.parallel.ddp import DistributedDataParallel, drop_zero_grads
     from tandem.parallel.dp import DataParallel
+    from tandem.train.trainer import Trainer
 
     DDP = DistributedDataParallel
 
@@ -24,6 +25,7 @@ _LAZY = {
     "DataParallel": ("tandem.parallel.dp", "DataParallel"),
     "DistributedDataParallel": ("tandem.parallel.ddp", "DistributedDataParallel"),
     "GradBucket": ("tandem.parallel.comm_hooks", "GradBucket"),
+    "Trainer": ("tandem.train.trainer", "Trainer"),
     "drop_zero_grads": ("tandem.parallel.ddp", "drop_zero_grads"),
     "spawn": ("tandem.launch.spawn", "spawn"),
 }
@@ -33,6 +35,7 @@ __all__ = [
     "DataParallel",
     "DistributedDataParallel",
     "GradBucket",
+    "Trainer",
     "World",
     "data",
     "drop_zero_grads",

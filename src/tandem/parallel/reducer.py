@@ -288,6 +288,9 @@ class Reducer:
                 bucket.buffer.copy_(result[: bucket.numel])
             if write_back_now:
                 self._write_back(bucket.params, None)
+        # Drop the finished work handles: held past the last step, they keep the process
+        # group's threads busy with their tensors while the interpreter shuts down.
+        self.futures = []
         self._check_flag(missing)
         if write_back_now:
             self.used = [False] * len(self.params)

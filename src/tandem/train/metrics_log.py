@@ -1,0 +1,118 @@
+"""The run's record: ``metrics.jsonl`` (one line per epoch), ``metrics.png``, the Summary.
+
+The history itself lives in the checkpoint, so a resumed run rewrites both files from it: an
+epoch run again after a resume from an earlier checkpoint replaces its old line instead of
+appearing twice. Both files are written to a temporary name and renamed, so a reader (or a
+crash) never sees half a file. Only the main rank calls these.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+METRICS_FILE = "metrics.jsonl"
+PLOT_FILE = "metrics.png"
+
+
+@dataclass(frozen=True)
+class Summary:
+    """What :meth:`Trainer.train` returns (the same on every rank).
+
+    Attributes:
+        epochs: epochs completed.
+        steps: optimizer steps taken.
+        train_loss: the last completed epoch's training loss, mean over all ranks' samples.
+        eval_loss: its evaluation loss (None without ``eval_data``).
+        eval_accuracy: its evaluation accuracy (None without ``eval_data`` or for outputs that
+            are not class scores).
+        stopped_by: ``"SIGTERM"`` or ``"request_stop()"`` when the run stopped early, else None.
+        checkpoint: the last checkpoint written or resumed from, if any.
+        history: one record per completed epoch, as in ``metrics.jsonl``.
+
+    Example::
+
+        summary = trainer.train()
+        if summary.stopped_by is None:
+            print(f"final test accuracy {summary.eval_accuracy:.3f}")
+    """
+
+    epochs: int
+    steps: int
+    train_loss: float | None
+    eval_loss: float | None
+    eval_accuracy: float | None
+    stopped_by: str | None
+    checkpoint: Path | None
+    history: list[dict[str, Any]]
+
+
+def _replace(path: Path, write: Any) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    write(tmp)
+    os.replace(tmp, path)
+
+
+def epoch_line(record: dict[str, Any]) -> str:
+    """Rank 0's printed line for an epoch record: ``epoch   E  loss L  test accuracy A``.
+
+    Example::
+
+        epoch_line({"epoch": 3, "train_loss": 0.12, "eval_accuracy": 0.98})
+    """
+    line = f"epoch {record['epoch']:3d}  loss {record['train_loss']:.4f}"
+    if record.get("eval_accuracy") is not None:
+        line += f"  test accuracy {record['eval_accuracy']:.3f}"
+    elif record.get("eval_loss") is not None:
+        line += f"  test loss {record['eval_loss']:.4f}"
+    return line
+
+
+def write_metrics(run_dir: Path, history: Sequence[dict[str, Any]]) -> Path:
+    """Write ``history`` (one dict per epoch) as ``run_dir/metrics.jsonl``; return its path.
+
+    Example::
+
+        write_metrics(Path("runs/wine"), [{"epoch": 1, "train_loss": 0.7}])
+    """
+    path = run_dir / METRICS_FILE
+    text = "".join(json.dumps(record) + "\n" for record in history)
+    _replace(path, lambda tmp: tmp.write_text(text))
+    return path
+
+
+def plot_metrics(run_dir: Path, history: Sequence[dict[str, Any]]) -> Path:
+    """Draw the loss curves (train, eval) and the eval accuracy per epoch to ``metrics.png``.
+
+    Example::
+
+        plot_metrics(Path("runs/wine"), history)
+    """
+    # Imported here: matplotlib takes a noticeable part of a second to import, and only the
+    # main rank plots. A bare Figure renders with Agg and touches no pyplot global state, so
+    # it works without a display and inside any application.
+    from matplotlib.figure import Figure
+
+    epochs = [r["epoch"] for r in history]
+    accuracy = [r.get("eval_accuracy") for r in history]
+    has_accuracy = any(a is not None for a in accuracy)
+    fig = Figure(figsize=(10 if has_accuracy else 5, 4), layout="constrained")
+    axes = fig.subplots(1, 2 if has_accuracy else 1, squeeze=False)[0]
+    axes[0].plot(epochs, [r["train_loss"] for r in history], marker=".", label="train loss")
+    eval_loss = [r.get("eval_loss") for r in history]
+    if any(v is not None for v in eval_loss):
+        axes[0].plot(epochs, eval_loss, marker=".", label="eval loss")
+    axes[0].set(xlabel="epoch", ylabel="loss", title="loss (mean over all ranks)")
+    axes[0].legend()
+    if has_accuracy:
+        axes[1].plot(epochs, accuracy, marker=".", color="tab:green")
+        axes[1].set(xlabel="epoch", ylabel="accuracy", title="eval accuracy", ylim=(0, 1.02))
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    path = run_dir / PLOT_FILE
+    _replace(path, lambda tmp: fig.savefig(tmp, format="png", dpi=100))
+    return path
