@@ -231,7 +231,7 @@ def test_printed_script_runs_tandem_run_per_node_and_requeues(tmp_path):
     # node_placement_from_slurm puts it, then waits for the requeue on the first attempt only.
     bin_dir = _bin_with_tandem(
         tmp_path,
-        "from tandem.launch.slurm import node_placement_from_slurm\n"
+        "from tandem.launch.slurm_node import node_placement_from_slurm\n"
         "attempt = os.environ.get('SLURM_RESTART_COUNT', '0')\n"
         "print('TANDEM', attempt, repr(sys.argv[1:]), repr(node_placement_from_slurm(os.environ)),"
         " os.environ['SLURM_JOB_NODELIST'], sep='\\t', flush=True)\n"

@@ -27,7 +27,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tandem.launch import slurm
-from tandem.launch.slurm import build_sbatch_script, node_placement_from_slurm, parse_time
+from tandem.launch.slurm import build_sbatch_script, parse_time
+from tandem.launch.slurm_node import node_placement_from_slurm
 
 REFERENCE = {
     "nodes": 2,

@@ -125,7 +125,7 @@ def build_spec(args: argparse.Namespace) -> tuple[LaunchSpec, str, int | None]:
     nproc = _nproc(str(args.nproc_per_node))
     nnodes, node_rank, addr, port = args.nnodes, args.node_rank, args.master_addr, args.master_port
     if nnodes is None and node_rank is None and "SLURM_JOB_ID" in os.environ:
-        from tandem.launch.slurm import node_placement_from_slurm
+        from tandem.launch.slurm_node import node_placement_from_slurm
 
         # Under srun with one task per node, SLURM says which node this is and where node 0 is.
         slurm = node_placement_from_slurm(os.environ)
