@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from tandem.parallel.comm_hooks import GradBucket
     from tandem.parallel.ddp import DistributedDataParallel, drop_zero_grads
     from tandem.parallel.dp import DataParallel
+    from tandem.parallel.zero import ShardedOptimizer
     from tandem.train.trainer import Trainer
 
     DDP = DistributedDataParallel
@@ -25,6 +26,7 @@ _LAZY = {
     "DataParallel": ("tandem.parallel.dp", "DataParallel"),
     "DistributedDataParallel": ("tandem.parallel.ddp", "DistributedDataParallel"),
     "GradBucket": ("tandem.parallel.comm_hooks", "GradBucket"),
+    "ShardedOptimizer": ("tandem.parallel.zero", "ShardedOptimizer"),
     "Trainer": ("tandem.train.trainer", "Trainer"),
     "drop_zero_grads": ("tandem.parallel.ddp", "drop_zero_grads"),
     "spawn": ("tandem.launch.spawn", "spawn"),
@@ -35,6 +37,7 @@ __all__ = [
     "DataParallel",
     "DistributedDataParallel",
     "GradBucket",
+    "ShardedOptimizer",
     "Trainer",
     "World",
     "data",

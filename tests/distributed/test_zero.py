@@ -11,6 +11,8 @@ the same data (a model whose parameter count no world size here divides):
 - ``full_state_dict`` on rank 0 equals the plain optimizer's ``state_dict()`` and loads into it;
   ``load_full_state_dict`` of the plain optimizer's state resumes to the oracle's next step;
   a shard saved by another rank is refused with ValueError;
+- two param groups (their own lr), float32 and float64 parameters, 4 ranks for 3 parameters (a
+  rank owning nothing still joins every broadcast): the plain optimizer's steps;
 - one process without a process group: the inner optimizer covers every parameter and steps like
   the plain one, with an LR scheduler on the outer optimizer.
 """
@@ -175,3 +177,36 @@ def test_one_process_without_a_group_is_the_plain_optimizer():
     assert not dist.is_initialized()
     for a, b in zip(_single_process_run(True), _single_process_run(False), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-7)
+
+
+def _groups_and_dtypes() -> list[list[float]]:
+    """Two param groups, float32 and float64, fewer parameters than ranks; same grads everywhere."""
+
+    def params() -> list[torch.Tensor]:
+        torch.manual_seed(1)
+        return [
+            torch.randn(10, requires_grad=True),
+            torch.randn(3, dtype=torch.float64, requires_grad=True),
+            torch.randn(1, requires_grad=True),
+        ]
+
+    ours, theirs = params(), params()
+
+    def groups(ps: list[torch.Tensor]) -> list[dict]:
+        return [{"params": ps[:2]}, {"params": ps[2:], "lr": 0.5}]
+
+    zero = ShardedOptimizer(groups(ours), torch.optim.SGD, lr=0.1, momentum=0.9)
+    plain = torch.optim.SGD(groups(theirs), lr=0.1, momentum=0.9)
+    for step in range(3):
+        for p, q in zip(ours, theirs, strict=True):
+            p.grad = torch.full_like(p, float(step + 1))
+            q.grad = p.grad.clone()
+        zero.step()
+        plain.step()
+    assert zero.param_groups[1]["lr"] == 0.5 and len(zero.param_groups[0]["params"]) == 2
+    return [(p - q).abs().max().item() for p, q in zip(ours, theirs, strict=True)]
+
+
+def test_param_groups_mixed_dtypes_and_ranks_owning_nothing():
+    for rank, diffs in enumerate(run_ranks(_groups_and_dtypes, 4, timeout=60)):
+        assert max(diffs) <= 1e-7, (rank, diffs)

@@ -67,7 +67,9 @@ def _describe(entry: Signature | None) -> str:
 
 
 def verify_same_parameters(
-    named_params: Iterable[tuple[str, torch.Tensor]], group: dist.ProcessGroup | None = None
+    named_params: Iterable[tuple[str, torch.Tensor]],
+    group: dist.ProcessGroup | None = None,
+    wrapper: str = "tandem.DDP",
 ) -> None:
     """Raise ValueError on every rank unless all ranks hold the same parameter signature.
 
@@ -83,8 +85,8 @@ def verify_same_parameters(
     problem = first_difference(everyone)
     if problem is not None:
         raise ValueError(
-            f"tandem.DDP: the model differs across ranks: {problem}. Every rank must build "
-            "the same model (same code, same arguments) before wrapping it in tandem.DDP."
+            f"{wrapper}: the model differs across ranks: {problem}. Every rank must build "
+            f"the same model (same code, same arguments) before passing it to {wrapper}."
         )
 
 

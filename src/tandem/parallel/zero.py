@@ -76,6 +76,7 @@ class ShardedOptimizer(Optimizer):
         verify_same_parameters(
             [(f"param_groups[{i}]", p) for i, g in enumerate(groups) for p in g["params"]],
             process_group,
+            wrapper="tandem.ShardedOptimizer",
         )
         self.owners = assign_owners(
             [p.numel() * p.element_size() for p in self.params], self.world_size
