@@ -7,11 +7,12 @@ A job of one process needs no process group, so the same script runs on one proc
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from tandem.launch.env import (
@@ -210,8 +211,23 @@ def shutdown() -> None:
 
     global _current, _owns_group
     if _owns_group and _group_exists():
+        _meet_before_teardown(dist)
         dist.destroy_process_group()
     _current, _owns_group = None, False
+
+
+def _meet_before_teardown(dist: Any) -> None:
+    """Wait for every rank before the group is destroyed (Gloo only).
+
+    A Gloo rank that destroys its group and exits while a peer's last collective is still in
+    flight can abort ("terminate called without an active exception"). A monitored barrier,
+    bounded in time, lets every rank finish first; if a peer is gone it fails, and teardown
+    goes on anyway.
+    """
+    if dist.get_backend() != "gloo" or dist.get_world_size() == 1:
+        return
+    with contextlib.suppress(RuntimeError):
+        dist.monitored_barrier(timeout=timedelta(seconds=60))
 
 
 def _group_exists() -> bool:
