@@ -21,7 +21,7 @@ import torch
 
 from tandem.examples.digits import load_data, make_model
 from tandem.train.checkpoint import list_checkpoints
-from tests.distributed.test_example_wine import _clean_env
+from tests.launching import clean_env, tandem_run_module
 
 EPOCHS = 15
 MIN_ACCURACY = 0.97
@@ -33,7 +33,7 @@ _FINAL = re.compile(r"^final test accuracy ([0-9.]+)$", re.MULTILINE)
 
 def _run_and_check(command: list[str], run_dir: Path, processes: int) -> None:
     done = subprocess.run(
-        command, capture_output=True, text=True, timeout=180, env=_clean_env(), check=False
+        command, capture_output=True, text=True, timeout=180, env=clean_env(), check=False
     )
     shown = f"command: {command}\nstdout:\n{done.stdout}\nstderr:\n{done.stderr}"
     assert done.returncode == 0, f"exit code {done.returncode}\n{shown}"
@@ -66,17 +66,5 @@ def test_one_process(tmp_path):
 
 
 def test_two_processes_under_tandem_run(tmp_path):
-    command = [
-        sys.executable,
-        "-m",
-        "tandem.launch.cli",
-        "run",
-        "--nproc-per-node",
-        "2",
-        "--no-prefix",
-        "-m",
-        "tandem.examples.digits",
-        "--run-dir",
-        str(tmp_path),
-    ]
+    command = tandem_run_module("tandem.examples.digits", "--run-dir", str(tmp_path))
     _run_and_check(command, tmp_path, processes=2)

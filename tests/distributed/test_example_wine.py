@@ -11,7 +11,6 @@ the threshold measures training, not the data set's ease).
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -21,22 +20,10 @@ import torch
 
 from tandem.examples.wine import accuracy, load_data, make_model
 from tests.harness import free_port
+from tests.launching import clean_env, tandem_run_module
 
 EPOCHS = 15
 MIN_ACCURACY = 0.95
-
-# A launcher's variables inherited from the shell running pytest (say, an srun allocation)
-# would make the example join that job instead of the one the test starts.
-_LAUNCHER_PREFIXES = ("SLURM_", "OMPI_", "PMI_")
-_TORCHRUN_VARIABLES = {
-    "RANK",
-    "LOCAL_RANK",
-    "WORLD_SIZE",
-    "LOCAL_WORLD_SIZE",
-    "GROUP_RANK",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-}
 
 _HEADER = re.compile(r"^wine: \d+ training samples on (\d+) process\(es\)", re.MULTILINE)
 _EPOCH = re.compile(r"^epoch\s+(\d+)\s+loss\s+([0-9.]+)\s+test accuracy\s+([0-9.]+)$", re.M)
@@ -51,20 +38,9 @@ class Printed:
     final_accuracy: float
 
 
-def _clean_env() -> dict[str, str]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in _TORCHRUN_VARIABLES and not k.startswith(_LAUNCHER_PREFIXES)
-    }
-    # CPU and Gloo everywhere: on a machine with one GPU, two ranks cannot have one each.
-    env["CUDA_VISIBLE_DEVICES"] = ""
-    return env
-
-
 def _run(command: list[str], timeout: float) -> Printed:
     done = subprocess.run(
-        command, capture_output=True, text=True, timeout=timeout, env=_clean_env(), check=False
+        command, capture_output=True, text=True, timeout=timeout, env=clean_env(), check=False
     )
     shown = f"command: {command}\nstdout:\n{done.stdout}\nstderr:\n{done.stderr}"
     assert done.returncode == 0, f"exit code {done.returncode}\n{shown}"
@@ -117,17 +93,5 @@ def test_two_processes_under_torchrun():
 
 
 def test_two_processes_under_tandem_run():
-    command = [
-        sys.executable,
-        "-m",
-        "tandem.launch.cli",
-        "run",
-        "--nproc-per-node",
-        "2",
-        "--no-prefix",
-        "-m",
-        "tandem.examples.wine",
-        "--epochs",
-        str(EPOCHS),
-    ]
+    command = tandem_run_module("tandem.examples.wine", "--epochs", str(EPOCHS))
     _check_trained(_run(command, timeout=180), processes=2)

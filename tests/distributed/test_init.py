@@ -16,16 +16,7 @@ import torch.distributed as dist
 
 from tandem.world import World, init, shutdown, world
 from tests.harness import free_port, run_ranks
-
-TORCHRUN_VARIABLES = (
-    "RANK",
-    "LOCAL_RANK",
-    "WORLD_SIZE",
-    "LOCAL_WORLD_SIZE",
-    "GROUP_RANK",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-)
+from tests.launching import TORCHRUN_VARIABLES
 
 
 def _use_group(w: World) -> tuple[World, float, bool]:

@@ -13,25 +13,16 @@ from __future__ import annotations
 import re
 import signal
 import subprocess
-import sys
 import threading
 
 from tandem.train.checkpoint import list_checkpoints, load_checkpoint
-from tests.distributed.test_example_wine import _clean_env
+from tests.launching import clean_env, tandem_run_module
 
 _EPOCH = re.compile(r"^epoch\s+(\d+)\s+loss", re.MULTILINE)
 
 
 def _command(run_dir, epochs: int, *extra: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "tandem.launch.cli",
-        "run",
-        "--nproc-per-node",
-        "2",
-        "--no-prefix",
-        "-m",
+    return tandem_run_module(
         "tandem.examples.wine",
         "--epochs",
         str(epochs),
@@ -40,7 +31,7 @@ def _command(run_dir, epochs: int, *extra: str) -> list[str]:
         "--run-dir",
         str(run_dir),
         *extra,
-    ]
+    )
 
 
 def test_sigterm_to_tandem_run_checkpoints_and_the_run_resumes(tmp_path):
@@ -49,7 +40,7 @@ def test_sigterm_to_tandem_run_checkpoints_and_the_run_resumes(tmp_path):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env=_clean_env(),
+        env=clean_env(),
     )
     watchdog = threading.Timer(90, proc.kill)
     watchdog.start()
@@ -79,7 +70,7 @@ def test_sigterm_to_tandem_run_checkpoints_and_the_run_resumes(tmp_path):
         capture_output=True,
         text=True,
         timeout=120,
-        env=_clean_env(),
+        env=clean_env(),
         check=False,
     )
     shown = f"stdout:\n{resumed.stdout}\nstderr:\n{resumed.stderr}"

@@ -18,8 +18,8 @@ SIGTERM or SIGUSR1), ``metrics.jsonl`` and ``metrics.png`` go to ``--run-dir``.
 
 from __future__ import annotations
 
-import os
-from collections.abc import Sequence
+import argparse
+from collections.abc import Sequence, Sized
 
 import torch
 import torch.nn.functional as F
@@ -28,8 +28,7 @@ from sklearn.model_selection import train_test_split
 from torch import nn
 from torch.utils.data import TensorDataset
 
-import tandem
-from tandem.examples.wine import parse_args
+from tandem.examples.common import run_example
 from tandem.train.trainer import Trainer
 
 
@@ -65,44 +64,32 @@ def make_model() -> nn.Module:
     )
 
 
+def build(args: argparse.Namespace) -> tuple[Trainer, Sized]:
+    """The Trainer for these arguments, and the training set it shards."""
+    train_set, test_set = load_data()
+    torch.manual_seed(0)  # the same initial weights in every run
+    model = make_model()
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+    trainer = Trainer(
+        model,
+        optimizer,
+        train_set,
+        loss_fn=F.cross_entropy,
+        eval_data=test_set,
+        max_epochs=args.epochs,
+        save_every=args.save_every,
+        batch_size=args.batch_size,
+        run_dir=args.run_dir,
+        # The learning rate falls to 0 over the run (stepped each epoch, saved in checkpoints).
+        scheduler=torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs),
+        resume=args.resume,
+    )
+    return trainer, train_set
+
+
 def main(argv: Sequence[str] | None = None) -> float | None:
     """Train, print one line per epoch on rank 0, and return the final test accuracy."""
-    args = parse_args(argv, "digits", epochs=15, batch_size=16, lr=3e-3)
-    # Several processes on a few cores: one intra-op thread each, or they fight over the cores.
-    if "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(1)
-    w = tandem.init()
-    try:
-        train_set, test_set = load_data()
-        torch.manual_seed(0)  # the same initial weights in every run
-        model = make_model()
-        optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
-        trainer = Trainer(
-            model,
-            optimizer,
-            train_set,
-            loss_fn=F.cross_entropy,
-            eval_data=test_set,
-            max_epochs=args.epochs,
-            save_every=args.save_every,
-            batch_size=args.batch_size,
-            run_dir=args.run_dir,
-            # The learning rate falls to 0 over the run (stepped each epoch, saved in checkpoints).
-            scheduler=torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs),
-            resume=args.resume,
-        )
-        if w.is_main:
-            print(
-                f"digits: {len(train_set)} training samples on {w.world_size} process(es), "
-                f"{len(trainer.sampler)} per process, batch size {args.batch_size} per process",
-                flush=True,
-            )
-        summary = trainer.train()
-        if w.is_main and summary.stopped_by is None and summary.eval_accuracy is not None:
-            print(f"final test accuracy {summary.eval_accuracy:.3f}", flush=True)
-        return summary.eval_accuracy
-    finally:
-        tandem.shutdown()
+    return run_example("digits", build, argv, epochs=15, batch_size=16, lr=3e-3)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ SIGTERM or SIGUSR1), ``metrics.jsonl`` and ``metrics.png`` go to ``--run-dir``.
 from __future__ import annotations
 
 import argparse
-import os
 from collections.abc import Sequence
 
 import numpy as np
@@ -32,7 +31,7 @@ from sklearn.model_selection import train_test_split
 from torch import nn
 from torch.utils.data import TensorDataset
 
-import tandem
+from tandem.examples.common import run_example
 from tandem.train.trainer import Trainer
 
 
@@ -68,59 +67,31 @@ def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
     return correct / len(y)
 
 
-def parse_args(
-    argv: Sequence[str] | None, name: str, *, epochs: int, batch_size: int, lr: float
-) -> argparse.Namespace:
-    """The examples' command line (digits shares it), with this example's defaults."""
-    parser = argparse.ArgumentParser(description=f"Train the {name} example with tandem.")
-    parser.add_argument("--epochs", type=int, default=epochs)
-    parser.add_argument("--batch-size", type=int, default=batch_size, help="per process and step")
-    parser.add_argument("--lr", type=float, default=lr)
-    parser.add_argument("--run-dir", default=f"runs/{name}", help="checkpoints and metrics")
-    parser.add_argument("--save-every", type=int, default=10, help="checkpoint every N epochs")
-    parser.add_argument(
-        "--resume", default=None, help="'latest' (of --run-dir) or a checkpoint path"
+def build(args: argparse.Namespace) -> tuple[Trainer, TensorDataset]:
+    """The Trainer for these arguments, and the training set it shards."""
+    train_set, x_test, y_test = load_data()
+    # The same initial weights on every rank and in every run (tandem.DDP would copy rank
+    # 0's anyway); a resumed run replaces them with the checkpoint's.
+    torch.manual_seed(0)
+    model = make_model()
+    trainer = Trainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9),
+        train_set,
+        loss_fn=F.cross_entropy,
+        eval_data=TensorDataset(x_test, y_test),
+        max_epochs=args.epochs,
+        save_every=args.save_every,
+        batch_size=args.batch_size,
+        run_dir=args.run_dir,
+        resume=args.resume,
     )
-    return parser.parse_args(argv)
+    return trainer, train_set
 
 
 def main(argv: Sequence[str] | None = None) -> float | None:
     """Train, print one line per epoch on rank 0, and return the final test accuracy."""
-    args = parse_args(argv, "wine", epochs=30, batch_size=16, lr=0.05)
-    # Several processes on a few cores: one intra-op thread each, or they fight over the cores.
-    if "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(1)
-    w = tandem.init()
-    try:
-        train_set, x_test, y_test = load_data()
-        # The same initial weights on every rank and in every run (tandem.DDP would copy rank
-        # 0's anyway); a resumed run replaces them with the checkpoint's.
-        torch.manual_seed(0)
-        model = make_model()
-        trainer = Trainer(
-            model,
-            torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9),
-            train_set,
-            loss_fn=F.cross_entropy,
-            eval_data=TensorDataset(x_test, y_test),
-            max_epochs=args.epochs,
-            save_every=args.save_every,
-            batch_size=args.batch_size,
-            run_dir=args.run_dir,
-            resume=args.resume,
-        )
-        if w.is_main:
-            print(
-                f"wine: {len(train_set)} training samples on {w.world_size} process(es), "
-                f"{len(trainer.sampler)} per process, batch size {args.batch_size} per process",
-                flush=True,
-            )
-        summary = trainer.train()
-        if w.is_main and summary.stopped_by is None and summary.eval_accuracy is not None:
-            print(f"final test accuracy {summary.eval_accuracy:.3f}", flush=True)
-        return summary.eval_accuracy
-    finally:
-        tandem.shutdown()
+    return run_example("wine", build, argv, epochs=30, batch_size=16, lr=0.05)
 
 
 if __name__ == "__main__":
