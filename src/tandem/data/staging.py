@@ -22,8 +22,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tandem.files import file_digest, write_atomic
+
 MANIFEST_VERSION = 1
 _CHUNK = 4 << 20
+_HASH = "blake2b"  # the manifest's content hash; the copy loop hashes with the same
 
 
 def stage_local(
@@ -163,7 +166,7 @@ def _stage(src: Path, target: Path, quick: bool) -> None:
             if current["entries"] != old["entries"]:
                 # Same content, new modification times (a touch, a fresh checkout): record
                 # them, since the waiting ranks match the manifest on times.
-                _write_atomically(manifest_path, _dump(current))
+                write_atomic(manifest_path, _dump(current))
             return
     # The manifest goes first: from here on the old copy is incomplete to everybody.
     manifest_path.unlink(missing_ok=True)
@@ -184,7 +187,7 @@ def _stage(src: Path, target: Path, quick: bool) -> None:
     except BaseException:
         _remove(tmp)
         raise
-    _write_atomically(manifest_path, _dump(manifest))
+    write_atomic(manifest_path, _dump(manifest))
 
 
 def _dump(manifest: dict[str, Any]) -> bytes:
@@ -215,16 +218,10 @@ def _manifest(root: Path, previous: dict[str, Any] | None) -> dict[str, Any]:
         if old is not None and old[1:3] == [stat.st_size, stat.st_mtime_ns]:
             entries.append(old)
         else:
-            entries.append([rel, stat.st_size, stat.st_mtime_ns, _hash(root / rel)])
+            entries.append(
+                [rel, stat.st_size, stat.st_mtime_ns, file_digest(root / rel, "blake2b")]
+            )
     return {"version": MANIFEST_VERSION, "source": str(root), "dirs": dirs, "entries": entries}
-
-
-def _hash(path: Path) -> str:
-    digest = hashlib.blake2b()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _copy(src: Path, tmp: Path) -> dict[str, Any]:
@@ -238,7 +235,7 @@ def _copy(src: Path, tmp: Path) -> dict[str, Any]:
     for rel in files:
         source, dest = src / rel, tmp / rel
         stat = source.stat()  # before reading: a file changing during the copy looks changed
-        digest = hashlib.blake2b()
+        digest = hashlib.new(_HASH)
         with open(source, "rb") as fin, open(dest, "wb") as fout:
             while chunk := fin.read(_CHUNK):
                 digest.update(chunk)
@@ -276,20 +273,6 @@ def _read_manifest(path: Path) -> dict[str, Any] | None:
     if not isinstance(manifest, dict) or manifest.get("version") != MANIFEST_VERSION:
         return None
     return manifest
-
-
-def _write_atomically(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)  # the renames of the copy and the manifest reach the disk
-    finally:
-        os.close(fd)
 
 
 def _remove(path: Path) -> None:

@@ -26,19 +26,24 @@ shows at the first save rather than at the resume after a crash.
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import json
 import os
 import pickle
 import re
-import tempfile
 import warnings
-from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import torch
+
+from tandem.files import (
+    file_digest,
+    fsync_dir,
+    rename_into_place,
+    unlink_quietly,
+    write_atomic,
+    write_temp,
+)
 
 FORMAT_VERSION: int = 1
 
@@ -47,7 +52,6 @@ LATEST = "latest"
 _SIDECAR = ".sha256"
 _NAME = re.compile(r"ckpt-e(\d+)-s(\d+)\.pt")
 _PAYLOAD_KEYS = ("format_version", "epoch", "step", "state")
-_CHUNK = 1 << 20
 
 
 class CheckpointError(RuntimeError):
@@ -95,36 +99,36 @@ def save_checkpoint(
     payload = {"format_version": FORMAT_VERSION, "epoch": epoch, "step": step, "state": state}
     try:
         ckpt_dir.mkdir(parents=True, exist_ok=True)
-        tmp = _write_temp(ckpt_dir, name, lambda f: torch.save(payload, f))
+        tmp = write_temp(ckpt_dir, name, lambda f: torch.save(payload, f))
         try:
             _check_loadable(tmp, path)
-            digest = _sha256(tmp)
+            digest = file_digest(tmp, "sha256")
             # Saving the same name again (a resumed run reaching the same step): uncommit the old
             # one first, so a crash before the new sidecar is written can never pair the old
             # checksum with the new bytes.
-            _unlink_quietly(sidecar)
+            unlink_quietly(sidecar)
         except BaseException:
-            _unlink_quietly(tmp)
+            unlink_quietly(tmp)
             raise
         record = {"checkpoint": name, "epoch": epoch, "step": step, "sha256": digest}
         pointer = (json.dumps(record) + "\n").encode()
         try:
             # Step 1: the checkpoint.
-            _rename(tmp, path)
-            _fsync_dir(ckpt_dir)
+            rename_into_place(tmp, path)
+            fsync_dir(ckpt_dir)
             # Step 2: its sidecar, which commits it.
-            _write_atomic(ckpt_dir, sidecar.name, f"{digest}  {name}\n".encode())
+            write_atomic(sidecar, f"{digest}  {name}\n".encode())
             # Step 3: the pointer, last. Its directory fsync is outside the rollback: once
             # renamed, `latest` may name the new checkpoint, which must then stay.
-            pointer_tmp = _write_temp(ckpt_dir, LATEST, lambda f: f.write(pointer))
-            _rename(pointer_tmp, ckpt_dir / LATEST)
+            pointer_tmp = write_temp(ckpt_dir, LATEST, lambda f: f.write(pointer))
+            rename_into_place(pointer_tmp, ckpt_dir / LATEST)
         except BaseException:
             # `latest` was not renamed, so it names the previous checkpoint; the new one, whole
             # or not, would only confuse the next save's pruning.
-            _unlink_quietly(sidecar)
-            _unlink_quietly(path)
+            unlink_quietly(sidecar)
+            unlink_quietly(path)
             raise
-        _fsync_dir(ckpt_dir)
+        fsync_dir(ckpt_dir)
     except OSError as e:
         raise _with_context(e, f"cannot save checkpoint {path}") from e
     _prune(ckpt_dir, keep, pinned=path)
@@ -267,7 +271,7 @@ def _verify_checksum(file: Path) -> None:
             f"checkpoint {file} has no readable checksum file {sidecar.name} ({e!r}); its save "
             f"did not finish or the file was copied without it.{_others_hint(file)}"
         ) from e
-    actual = _sha256(file)
+    actual = file_digest(file, "sha256")
     if actual != expected:
         raise CheckpointError(
             f"checkpoint {file} is corrupt or truncated: its {file.stat().st_size} bytes hash to "
@@ -330,56 +334,6 @@ def _check_loadable(tmp: Path, path: Path) -> None:
     del loaded  # drop the mapping before the file is renamed
 
 
-def _write_temp(directory: Path, name: str, write: Callable[[IO[bytes]], None]) -> Path:
-    """A new file in ``directory`` holding what ``write`` wrote, flushed and fsynced."""
-    # Same directory as the final name: os.replace is atomic only within one file system.
-    # The leading dot and .tmp suffix keep it out of list_checkpoints.
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-    except BaseException:
-        _unlink_quietly(Path(tmp))
-        raise
-    return Path(tmp)
-
-
-def _write_atomic(directory: Path, name: str, data: bytes) -> None:
-    _rename(_write_temp(directory, name, lambda f: f.write(data)), directory / name)
-    _fsync_dir(directory)
-
-
-def _rename(tmp: Path, final: Path) -> None:
-    try:
-        os.replace(tmp, final)
-    except BaseException:
-        _unlink_quietly(tmp)
-        raise
-
-
-def _fsync_dir(directory: Path) -> None:
-    # A rename lives in the directory's entries: without this a power loss can forget it even
-    # though the file's bytes were synced. Windows cannot open a directory to fsync it.
-    if os.name != "posix":
-        return
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _sha256(file: Path) -> str:
-    # Hashing the file as read back, not the bytes as handed to the writer, checks what is on disk.
-    digest = hashlib.sha256()
-    with open(file, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def _prune(ckpt_dir: Path, keep: int, pinned: Path) -> None:
     """Delete all but the newest ``keep`` checkpoints and leftovers of crashed saves.
 
@@ -408,11 +362,6 @@ def _prune(ckpt_dir: Path, keep: int, pinned: Path) -> None:
                 os.unlink(entry)
     except OSError as e:
         warnings.warn(f"could not delete old checkpoint files in {ckpt_dir}: {e}", stacklevel=3)
-
-
-def _unlink_quietly(path: Path) -> None:
-    with contextlib.suppress(OSError):
-        os.unlink(path)
 
 
 def _with_context(e: OSError, what: str) -> OSError:
