@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from tandem.parallel.comm_hooks import GradBucket
     from tandem.parallel.ddp import DistributedDataParallel, drop_zero_grads
     from tandem.parallel.dp import DataParallel
+    from tandem.parallel.fsdp import FullyShardedDataParallel
     from tandem.parallel.zero import ShardedOptimizer
     from tandem.train.trainer import Trainer
 
@@ -25,6 +26,7 @@ _LAZY = {
     "DDP": ("tandem.parallel.ddp", "DistributedDataParallel"),
     "DataParallel": ("tandem.parallel.dp", "DataParallel"),
     "DistributedDataParallel": ("tandem.parallel.ddp", "DistributedDataParallel"),
+    "FullyShardedDataParallel": ("tandem.parallel.fsdp", "FullyShardedDataParallel"),
     "GradBucket": ("tandem.parallel.comm_hooks", "GradBucket"),
     "ShardedOptimizer": ("tandem.parallel.zero", "ShardedOptimizer"),
     "Trainer": ("tandem.train.trainer", "Trainer"),
@@ -36,6 +38,7 @@ __all__ = [
     "DDP",
     "DataParallel",
     "DistributedDataParallel",
+    "FullyShardedDataParallel",
     "GradBucket",
     "ShardedOptimizer",
     "Trainer",

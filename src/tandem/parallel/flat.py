@@ -1,0 +1,204 @@
+"""One wrapped unit's parameters as one flat buffer, sharded across ranks.
+
+A :class:`FlatUnit` owns the trainable parameters of one module (those not in a nested unit).
+At construction they are concatenated into one flat buffer, padded to a multiple of the world
+size, and cut by :func:`tandem.parallel.sharding.flat_shard`; this rank keeps only its slice,
+as the ``shard`` ``nn.Parameter`` the optimizer steps. The originals are removed from their
+modules: while the unit is *gathered*, the module attributes of the same names are views into
+``full``, the whole flat buffer, refilled from every rank's shard by one all-gather.
+
+Memory is released by resizing ``full``'s storage to zero bytes, not by dropping the tensor:
+autograd has saved views of it for backward (a linear layer saves its weight), and the
+backward all-gather refills the very storage those saved views point to.
+
+Each forward in grad mode makes a fresh autograd leaf aliasing ``full`` (its own version
+counter, so that refilling ``full`` does not trip autograd's in-place check) and splits it into
+the parameter views with one ``torch.split``: in backward the split's single node concatenates
+the parameters' gradients into one flat gradient, which the leaf's post-accumulate hook
+reduce-scatters to the owners.
+
+Example::
+
+    unit = FlatUnit(0, entries, group=None, device=cpu)  # entries: (fqn, locations, param)
+    unit.gather()                                        # all-gather; attributes are views
+    leaf = unit.attach(requires_grad=True)
+    unit.free()                                          # stage 3, after forward
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tandem.parallel.comm_hooks import group_size
+from tandem.parallel.sharding import flat_shard, padded_numel
+
+# torch 2.13 renamed the flat collectives; older versions (tandem supports 2.4+) lack the new
+# names, and the old ones warn on new versions.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One original parameter inside a unit's flat buffer."""
+
+    fqn: str
+    locations: tuple[tuple[nn.Module, str], ...]  # every (module, name) it is registered as
+    shape: torch.Size
+    offset: int
+
+    @property
+    def numel(self) -> int:
+        return self.shape.numel()
+
+
+def _alias(t: torch.Tensor) -> torch.Tensor:
+    """A tensor on ``t``'s storage with its own autograd version counter."""
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(
+        t.untyped_storage(), t.storage_offset(), t.shape, t.stride()
+    )
+
+
+class FlatUnit:
+    """The flat, sharded parameters of one unit (see the module docstring).
+
+    Args:
+        index: the unit's position in its wrapper (names its shard parameter).
+        params: ``(fqn, locations, parameter)`` of every trainable parameter of the unit, with
+            ``locations`` the ``(module, name)`` pairs it is registered as (several when tied);
+            identical values on every rank, one dtype.
+        group: the process group sharing the unit.
+        device: where the shard and the gathered buffer live.
+    """
+
+    def __init__(
+        self,
+        index: int,
+        params: list[tuple[str, list[tuple[nn.Module, str]], nn.Parameter]],
+        group: dist.ProcessGroup | None,
+        device: torch.device,
+    ) -> None:
+        dtypes = {p.dtype for *_, p in params}
+        if len(dtypes) != 1:
+            described = ", ".join(f"{fqn} ({p.dtype})" for fqn, *_, p in params)
+            raise ValueError(
+                f"tandem.FullyShardedDataParallel: one wrapped unit holds parameters of several "
+                f"dtypes: {described}. Give them one dtype (module.to(dtype)) or wrap the "
+                "submodules of each dtype as their own units (auto_wrap)"
+            )
+        self.index = index
+        self.group = group
+        self.world_size = group_size(group)
+        self.rank = dist.get_rank(group) if self.world_size > 1 else 0
+        self.entries: list[Entry] = []
+        offset = 0
+        for fqn, locations, p in params:
+            self.entries.append(Entry(fqn, tuple(locations), p.shape, offset))
+            offset += p.numel()
+        self.numel = offset
+        self.padded = padded_numel(self.numel, self.world_size)
+        start, end = flat_shard(self.numel, self.world_size, self.rank)
+        dtype = dtypes.pop()
+        # Built one unit at a time, so the extra memory is one unit's parameters.
+        with torch.no_grad():
+            flat = torch.zeros(self.padded, dtype=dtype, device=device)
+            for entry, (*_, p) in zip(self.entries, params, strict=True):
+                flat[entry.offset : entry.offset + entry.numel].copy_(p.reshape(-1))
+            self.shard = nn.Parameter(flat[start:end].clone())
+        del flat
+        for entry in self.entries:
+            for module, name in entry.locations:
+                del module._parameters[name]
+        self.split_sizes = [e.numel for e in self.entries]
+        if self.padded > self.numel:
+            self.split_sizes.append(self.padded - self.numel)
+        self.full = torch.empty(self.padded, dtype=dtype, device=device)
+        self.free()
+        # The shard's version when ``full`` was last filled from it: unchanged means ``full`` is
+        # still current (stage 2 keeps it between steps and skips the all-gather).
+        self._gathered_version: int | None = None
+
+    # -- the gathered buffer -------------------------------------------------------------------
+
+    @property
+    def is_gathered(self) -> bool:
+        return self.full.untyped_storage().nbytes() > 0
+
+    @property
+    def is_current(self) -> bool:
+        return self.is_gathered and self._gathered_version == self.shard._version
+
+    def gather(self) -> None:
+        """Fill ``full`` from every rank's shard (one all-gather), unless it is current."""
+        if self.is_current:
+            return
+        storage = self.full.untyped_storage()
+        if storage.nbytes() == 0:
+            storage.resize_(self.padded * self.full.element_size())
+        target = _alias(self.full)
+        with torch.no_grad():
+            if self.world_size == 1:
+                target.copy_(self.shard)
+            else:
+                _all_gather_flat(target, self.shard.detach(), group=self.group)
+        self._gathered_version = self.shard._version
+
+    def free(self) -> None:
+        """Release ``full``'s memory; views of it stay valid objects until the next gather."""
+        self.full.untyped_storage().resize_(0)
+        self._gathered_version = None
+
+    def attach(self, requires_grad: bool) -> torch.Tensor | None:
+        """Point the module attributes at views of ``full``; the autograd leaf, if any.
+
+        With ``requires_grad`` the views come from a fresh leaf aliasing ``full``, whose
+        gradient is the unit's flat gradient (see the module docstring).
+        """
+        leaf = _alias(self.full)
+        if requires_grad:
+            leaf.requires_grad_(True)
+        pieces = torch.split(leaf, self.split_sizes)
+        for entry, piece in zip(self.entries, pieces, strict=False):
+            view = piece.view(entry.shape)
+            for module, name in entry.locations:
+                setattr(module, name, view)
+        return leaf if requires_grad else None
+
+    def writeback(self) -> None:
+        """Copy this rank's slice of ``full`` into the shard (after the caller edited views)."""
+        start, end = flat_shard(self.numel, self.world_size, self.rank)
+        with torch.no_grad():
+            self.shard.copy_(self.full[start:end])
+        self._gathered_version = self.shard._version
+
+    # -- gradients -----------------------------------------------------------------------------
+
+    def reduce_scatter(self, flat_grad: torch.Tensor) -> tuple[torch.Tensor, dist.Work | None]:
+        """Start averaging ``flat_grad`` over the ranks into this rank's slice.
+
+        Returns the slice's buffer and the work to wait on (None when there was nothing to
+        send). ``flat_grad`` is divided in place first, as DDP does, so that the sum the
+        collective computes is the mean.
+        """
+        if self.world_size == 1:
+            return flat_grad, None
+        flat_grad.div_(self.world_size)
+        out = torch.empty_like(self.shard)
+        work = _reduce_scatter_flat(out, flat_grad, group=self.group, async_op=True)
+        return out, work
+
+    def full_values(self) -> dict[str, torch.Tensor]:
+        """The gathered parameters as ``{fqn: tensor}`` views of ``full`` (gather first)."""
+        return {e.fqn: self.full[e.offset : e.offset + e.numel].view(e.shape) for e in self.entries}
+
+    def shard_of(self, values: dict[str, torch.Tensor]) -> torch.Tensor:
+        """This rank's slice of the flat buffer built from full-size ``values`` by fqn."""
+        start, end = flat_shard(self.numel, self.world_size, self.rank)
+        flat = torch.zeros(self.padded, dtype=self.shard.dtype)
+        for e in self.entries:
+            flat[e.offset : e.offset + e.numel].copy_(values[e.fqn].reshape(-1))
+        return flat[start:end]

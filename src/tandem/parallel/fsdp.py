@@ -1,0 +1,315 @@
+"""FullyShardedDataParallel: parameters, gradients and optimizer state sharded flat (ZeRO 2, 3).
+
+The model is cut into *units*: every submodule that ``auto_wrap`` picks, and the root for the
+parameters left over. Each unit's trainable parameters become one flat buffer, sharded by the
+rule in :mod:`tandem.parallel.sharding` (:class:`tandem.parallel.flat.FlatUnit`); the wrapper's
+``parameters()`` are the shards, so a plain ``torch.optim`` optimizer over them keeps state for
+this rank's slice only. One training step, stage 3:
+
+1. Forward, per unit: all-gather the unit's parameters, run it, free them again (the root's
+   stay until backward, which needs them first).
+2. Backward, per unit: the first gradient reaching one of the unit's outputs all-gathers its
+   parameters again; when the unit's flat gradient is complete it is reduce-scattered, started
+   asynchronously, and the parameters are freed.
+3. End of backward (a callback queued in step 2): wait for the reduce-scatters; each shard's
+   ``.grad`` is its slice of the mean gradient (added to, when gradients accumulate).
+4. ``optimizer.step()`` updates the shards; the next forward gathers the new values.
+
+Stage 2 is the same without the frees: every rank keeps the whole parameters between steps and
+skips the all-gathers while its shard has not changed, so only gradients (reduce-scattered) and
+optimizer state are sharded.
+
+Collectives are issued in the order the units run, so every rank must run the same units in
+the same order, forward and backward (as with torch's FSDP). Buffers are broadcast from rank 0
+once, at construction; frozen parameters stay ordinary, replicated parameters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.autograd import Variable
+from torch.utils._pytree import tree_flatten
+
+from tandem.parallel.comm_hooks import group_size
+from tandem.parallel.flat import FlatUnit
+from tandem.parallel.replicas import broadcast_coalesced, verify_same_parameters
+
+AutoWrap = Callable[[nn.Module], bool] | Iterable[type[nn.Module]]
+
+
+class _Use:
+    """One forward of a unit in grad mode, tracked until its backward is done."""
+
+    __slots__ = ("done", "in_backward")
+
+    def __init__(self) -> None:
+        self.in_backward = False
+        self.done = False
+
+
+class FullyShardedDataParallel(nn.Module):
+    """Sharded data parallelism: each rank holds 1/N of parameters, gradients and optimizer state.
+
+    Build the optimizer after wrapping, over the wrapper's ``parameters()`` (the flat shards).
+    Every rank must call the model's forward and backward the same way: the units' collectives
+    are issued in the order they run.
+
+    Args:
+        module: the model; the same on every rank (checked), then rank 0's values everywhere.
+        stage: 3 (default) frees each unit's parameters after its forward and its backward;
+            2 keeps whole parameters on every rank and shards gradients and optimizer state.
+        auto_wrap: the submodules that become units of their own: module classes
+            (``{nn.TransformerEncoderLayer}``) or a predicate ``module -> bool``; None makes
+            the whole model one unit (sharded at rest, gathered whole for each step).
+        process_group: the group to shard over (default: the whole world).
+        device: where shards and gathered parameters live (default: the parameters' device).
+
+    Example::
+
+        tandem.init()
+        model = tandem.FullyShardedDataParallel(Net(), auto_wrap={Block})
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)   # state for this rank's shards
+        loss_fn(model(x), y).backward()                        # .grad: this rank's slices
+        opt.step()
+        opt.zero_grad()
+        full = model.full_state_dict()                         # rank 0: a plain state_dict
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        stage: int = 3,
+        auto_wrap: AutoWrap | None = None,
+        process_group: dist.ProcessGroup | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        if stage not in (2, 3):
+            raise ValueError(
+                f"stage={stage!r}: FullyShardedDataParallel implements stage 2 (gradients and "
+                "optimizer state sharded) and stage 3 (parameters too); for stage 1 use "
+                "tandem.DDP with tandem.ShardedOptimizer"
+            )
+        self.module = module
+        self.stage = stage
+        self.process_group = process_group
+        self.world_size = group_size(process_group)
+        self.rank = dist.get_rank(process_group) if self.world_size > 1 else 0
+        wrapper = "tandem.FullyShardedDataParallel"
+        verify_same_parameters(module.named_parameters(), process_group, wrapper=wrapper)
+        broadcast_coalesced([*module.parameters(), *module.buffers()], process_group)
+        self._state_keys = list(module.state_dict().keys())
+        self._param_fqns = [name for name, _ in module.named_parameters()]
+
+        predicate = _predicate(auto_wrap)
+        unit_modules = [m for m in module.modules() if m is not module and predicate(m)]
+        owner = _assign(module, unit_modules)
+        units: list[FlatUnit] = []
+        self._unit_of_module: dict[int, FlatUnit] = {}
+        for m in [*unit_modules, module]:
+            params = owner.get(id(m), [])
+            if not params:
+                continue
+            target = torch.device(device) if device is not None else params[0][2].device
+            unit = FlatUnit(len(units), params, process_group, target)
+            units.append(unit)
+            self._unit_of_module[id(m)] = unit
+        self.units = units
+        self.flat_params = nn.ParameterList([u.shard for u in units])
+        self._root = self._unit_of_module.get(id(module))
+        self._uses: dict[int, list[_Use]] = {u.index: [] for u in units}
+        self._pending: list[tuple[FlatUnit, torch.Tensor, Any, torch.Tensor]] = []
+        self._callback_queued = False
+        for m in unit_modules:
+            unit = self._unit_of_module.get(id(m))
+            if unit is not None:
+                m.register_forward_pre_hook(lambda _m, _a, u=unit: self._pre_forward(u))
+                m.register_forward_hook(lambda _m, _a, out, u=unit: self._post_forward(u, out))
+        for unit in units:
+            unit.gather()
+            unit.attach(requires_grad=False)
+            if stage == 3:
+                unit.free()
+
+    # -- forward and backward ------------------------------------------------------------------
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the module, gathering each unit's parameters around its own forward."""
+        if self._root is not None:
+            self._pre_forward(self._root)
+        out = self.module(*args, **kwargs)
+        if self._root is not None:
+            # The root's parameters are needed first in backward: keep them when one follows.
+            keep = torch.is_grad_enabled() or self.stage == 2
+            return self._post_forward(self._root, out, free=not keep)
+        self._hook_outputs(None, out)
+        return out
+
+    def _pre_forward(self, unit: FlatUnit) -> None:
+        unit.gather()
+        leaf = unit.attach(requires_grad=torch.is_grad_enabled())
+        if leaf is not None:
+            use = _Use()
+            self._uses[unit.index].append(use)
+            leaf.register_post_accumulate_grad_hook(lambda t, u=unit, s=use: self._reduce(u, s, t))
+
+    def _post_forward(self, unit: FlatUnit, out: Any, free: bool = True) -> Any:
+        if self.stage == 3 and free:
+            unit.free()
+        uses = self._uses[unit.index]
+        self._hook_outputs(unit if uses and not uses[-1].done else None, out)
+        return out
+
+    def _hook_outputs(self, unit: FlatUnit | None, out: Any) -> None:
+        use = self._uses[unit.index][-1] if unit is not None else None
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(lambda grad, u=unit, s=use: self._pre_backward(u, s))
+
+    def _pre_backward(self, unit: FlatUnit | None, use: _Use | None) -> None:
+        if not self._callback_queued:
+            self._callback_queued = True
+            Variable._execution_engine.queue_callback(self._finish_backward)
+        if unit is None or use is None or use.in_backward:
+            return
+        use.in_backward = True
+        unit.gather()
+
+    def _reduce(self, unit: FlatUnit, use: _Use, leaf: torch.Tensor) -> None:
+        grad, leaf.grad = leaf.grad, None
+        use.done = True
+        out, work = unit.reduce_scatter(grad)
+        self._pending.append((unit, out, work, grad))
+        uses = self._uses[unit.index]
+        uses.remove(use)
+        # Another forward's backward of this unit may still need the parameters.
+        if self.stage == 3 and not any(u.in_backward for u in uses):
+            unit.free()
+
+    def _finish_backward(self) -> None:
+        self._callback_queued = False
+        for unit, out, work, _grad in self._pending:
+            if work is not None:
+                work.wait()
+            shard = unit.shard
+            if shard.grad is None:
+                shard.grad = out
+            else:
+                shard.grad.add_(out)
+        self._pending.clear()
+        for unit in self.units:
+            self._uses[unit.index].clear()
+            if self.stage == 3:
+                unit.free()
+
+    # -- whole parameters ----------------------------------------------------------------------
+
+    @contextmanager
+    def gathered(self, writeback: bool = True) -> Iterator[nn.Module]:
+        """Whole parameters in the module for the block (a collective: every rank enters).
+
+        Changes made to them inside the block reach the shards when ``writeback`` is set.
+
+        Example::
+
+            with model.gathered() as net:
+                print(net.head.weight.norm())
+        """
+        for unit in self.units:
+            unit.gather()
+            unit.attach(requires_grad=False)
+        try:
+            yield self.module
+        finally:
+            for unit in self.units:
+                if writeback:
+                    unit.writeback()
+                if self.stage == 3:
+                    unit.free()
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradients by their norm over all ranks' shards; the total norm.
+
+        ``torch.nn.utils.clip_grad_norm_`` on the shards would see 1/N of the gradient: this
+        adds the ranks' partial sums (one all-reduce) first.
+
+        Example::
+
+            loss.backward()
+            model.clip_grad_norm_(1.0)
+            opt.step()
+        """
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        device = self.units[0].shard.device if self.units else torch.device("cpu")
+        if norm_type == float("inf"):
+            local = max((g.abs().max() for g in grads), default=torch.zeros((), device=device))
+            total = local.clone().float()
+            if self.world_size > 1:
+                dist.all_reduce(total, op=dist.ReduceOp.MAX, group=self.process_group)
+        else:
+            local = sum(
+                (g.float().norm(norm_type) ** norm_type for g in grads),
+                torch.zeros((), device=device),
+            )
+            total = local.clone()
+            if self.world_size > 1:
+                dist.all_reduce(total, group=self.process_group)
+            total = total ** (1.0 / norm_type)
+        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(coefficient.to(g.dtype))
+        return total
+
+
+def _predicate(auto_wrap: AutoWrap | None) -> Callable[[nn.Module], bool]:
+    if auto_wrap is None:
+        return lambda m: False
+    if callable(auto_wrap) and not isinstance(auto_wrap, type):
+        return auto_wrap
+    classes = (auto_wrap,) if isinstance(auto_wrap, type) else tuple(auto_wrap)
+    for c in classes:
+        if not (isinstance(c, type) and issubclass(c, nn.Module)):
+            raise ValueError(
+                f"auto_wrap={auto_wrap!r}: give nn.Module classes or a predicate module -> bool"
+            )
+    return lambda m: isinstance(m, classes)
+
+
+Located = tuple[str, list[tuple[nn.Module, str]], nn.Parameter]
+
+
+def _assign(root: nn.Module, unit_modules: list[nn.Module]) -> dict[int, list[Located]]:
+    """Each trainable parameter's unit: the innermost unit module holding it.
+
+    A parameter registered under two units (tied embeddings) goes to the root, whose parameters
+    stay gathered for the whole forward and backward. Within a unit, parameters keep their
+    registration order; a tied parameter is named by its first registration.
+    """
+    units = {id(m) for m in unit_modules}
+    holders: dict[int, set[int]] = {}
+    found: dict[int, Located] = {}
+
+    def walk(module: nn.Module, prefix: str, unit: int) -> None:
+        unit = id(module) if id(module) in units else unit
+        for name, p in module._parameters.items():
+            if p is None or not p.requires_grad:
+                continue
+            holders.setdefault(id(p), set()).add(unit)
+            found.setdefault(id(p), (prefix + name, [], p))[1].append((module, name))
+        for name, child in module._modules.items():
+            if child is not None:
+                walk(child, f"{prefix}{name}.", unit)
+
+    walk(root, "", id(root))
+    owner: dict[int, list[Located]] = {}
+    for pid, located in found.items():
+        where = holders[pid]
+        owner.setdefault(next(iter(where)) if len(where) == 1 else id(root), []).append(located)
+    return owner
