@@ -38,8 +38,8 @@ from tandem.parallel.sharding import flat_shard, padded_numel
 
 # torch 2.13 renamed the flat collectives; older versions (tandem supports 2.4+) lack the new
 # names, and the old ones warn on new versions.
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 @dataclass(frozen=True)
@@ -144,7 +144,7 @@ class FlatUnit:
             if self.world_size == 1:
                 target.copy_(self.shard)
             else:
-                _all_gather_flat(target, self.shard.detach(), group=self.group)
+                all_gather_flat(target, self.shard.detach(), group=self.group)
         self._gathered_version = self.shard._version
 
     def free(self) -> None:
@@ -188,17 +188,19 @@ class FlatUnit:
             return flat_grad, None
         flat_grad.div_(self.world_size)
         out = torch.empty_like(self.shard)
-        work = _reduce_scatter_flat(out, flat_grad, group=self.group, async_op=True)
+        work = reduce_scatter_flat(out, flat_grad, group=self.group, async_op=True)
         return out, work
 
     def full_values(self) -> dict[str, torch.Tensor]:
         """The gathered parameters as ``{fqn: tensor}`` views of ``full`` (gather first)."""
         return {e.fqn: self.full[e.offset : e.offset + e.numel].view(e.shape) for e in self.entries}
 
-    def shard_of(self, values: dict[str, torch.Tensor]) -> torch.Tensor:
+    def shard_of(
+        self, values: dict[str, torch.Tensor], dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
         """This rank's slice of the flat buffer built from full-size ``values`` by fqn."""
         start, end = flat_shard(self.numel, self.world_size, self.rank)
-        flat = torch.zeros(self.padded, dtype=self.shard.dtype)
+        flat = torch.zeros(self.padded, dtype=dtype or self.shard.dtype)
         for e in self.entries:
             flat[e.offset : e.offset + e.numel].copy_(values[e.fqn].reshape(-1))
         return flat[start:end]

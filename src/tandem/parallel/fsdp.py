@@ -36,6 +36,7 @@ from torch import nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten
 
+from tandem.parallel import fsdp_state
 from tandem.parallel.comm_hooks import group_size
 from tandem.parallel.flat import FlatUnit
 from tandem.parallel.replicas import broadcast_coalesced, verify_same_parameters
@@ -105,8 +106,11 @@ class FullyShardedDataParallel(nn.Module):
         wrapper = "tandem.FullyShardedDataParallel"
         verify_same_parameters(module.named_parameters(), process_group, wrapper=wrapper)
         broadcast_coalesced([*module.parameters(), *module.buffers()], process_group)
-        self._state_keys = list(module.state_dict().keys())
-        self._param_fqns = [name for name, _ in module.named_parameters()]
+        self.state_keys = list(module.state_dict().keys())
+        self.param_fqns = [name for name, _ in module.named_parameters()]
+        first_name: dict[int, str] = {}
+        registrations = module.named_parameters(remove_duplicate=False)
+        names = [(first_name.setdefault(id(p), key), key, p) for key, p in registrations]
 
         predicate = _predicate(auto_wrap)
         unit_modules = [m for m in module.modules() if m is not module and predicate(m)]
@@ -122,6 +126,9 @@ class FullyShardedDataParallel(nn.Module):
             units.append(unit)
             self._unit_of_module[id(m)] = unit
         self.units = units
+        flattened = {e.fqn for u in units for e in u.entries}
+        # Every state_dict key of a flattened parameter (tied ones have several) -> its fqn.
+        self.key_fqn = {key: fqn for fqn, key, _ in names if fqn in flattened}
         self.flat_params = nn.ParameterList([u.shard for u in units])
         self._root = self._unit_of_module.get(id(module))
         self._uses: dict[int, list[_Use]] = {u.index: [] for u in units}
@@ -233,6 +240,43 @@ class FullyShardedDataParallel(nn.Module):
                     unit.writeback()
                 if self.stage == 3:
                     unit.free()
+
+    # -- checkpoints (tandem.parallel.fsdp_state) ----------------------------------------------
+
+    def full_state_dict(self, to: int = 0) -> dict[str, Any] | None:
+        """The plain module's ``state_dict()``, gathered on group rank ``to`` (a collective).
+
+        Example::
+
+            full = model.full_state_dict()
+            if tandem.world().is_main:
+                torch.save(full, "model.pt")        # loads into the unwrapped model
+        """
+        return fsdp_state.full_state_dict(self, to)
+
+    def load_full_state_dict(self, state: dict[str, Any]) -> None:
+        """Load a plain module's ``state_dict()`` on every rank (any world size saved it)."""
+        fsdp_state.load_full_state_dict(self, state)
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """This rank's shards with their layout: one file per rank, same world size to load."""
+        return fsdp_state.sharded_state_dict(self)
+
+    def load_sharded_state_dict(self, state: dict[str, Any]) -> None:
+        """Load this rank's :meth:`sharded_state_dict` (checked: same world size and units)."""
+        fsdp_state.load_sharded_state_dict(self, state)
+
+    def full_optim_state_dict(
+        self, optimizer: torch.optim.Optimizer, to: int = 0
+    ) -> dict[str, Any] | None:
+        """``optimizer``'s state as a plain optimizer over the plain module's (a collective)."""
+        return fsdp_state.full_optim_state_dict(self, optimizer, to)
+
+    def load_full_optim_state_dict(
+        self, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+    ) -> None:
+        """Load a plain optimizer's state dict into ``optimizer`` (over this wrapper's shards)."""
+        fsdp_state.load_full_optim_state_dict(self, optimizer, state)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the gradients by their norm over all ranks' shards; the total norm.

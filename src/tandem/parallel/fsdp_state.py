@@ -1,0 +1,260 @@
+"""Checkpoints of a FullyShardedDataParallel model and its optimizer, full or sharded.
+
+- **Full**: the plain module's ``state_dict()`` (same keys, same order, CPU tensors), gathered
+  unit by unit on one rank, so that no rank ever holds more than one unit beyond its shards
+  while the receiving rank builds the result. It loads into the unwrapped model, and back into
+  a wrapper at *any* world size (each rank cuts its own slices out of it). The optimizer's full
+  state is the state a plain optimizer over the plain module's ``parameters()`` would have:
+  element-wise state (Adam's moments, momentum) is gathered and cut back into parameters;
+  per-parameter scalars (Adam's ``step``) are copied to every parameter of the shard.
+- **Sharded**: each rank's shards as they are, with the layout they were cut by; one file per
+  rank, no communication, and it loads only at the same world size into the same model (both
+  checked, with an error that points to the full form).
+
+Example::
+
+    full = full_state_dict(model, to=0)             # rank 0: loads into the plain module
+    shard = sharded_state_dict(model)               # every rank: save as its own file
+    load_sharded_state_dict(model, shard)
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from tandem.parallel.flat import FlatUnit, all_gather_flat
+
+if TYPE_CHECKING:
+    from tandem.parallel.fsdp import FullyShardedDataParallel
+
+SHARDED_FORMAT = "tandem.fsdp.sharded/1"
+
+
+def _gathered_values(model: FullyShardedDataParallel, to: int | None) -> dict[str, torch.Tensor]:
+    """``{fqn: CPU tensor}`` of every flattened parameter on rank ``to`` (every rank if None)."""
+    values: dict[str, torch.Tensor] = {}
+    for unit in model.units:
+        was_current = unit.is_current
+        unit.gather()
+        if to is None or model.rank == to:
+            values.update({k: v.detach().cpu().clone() for k, v in unit.full_values().items()})
+        if model.stage == 3 and not was_current:
+            unit.free()
+    return values
+
+
+def full_state_dict(model: FullyShardedDataParallel, to: int = 0) -> dict[str, Any] | None:
+    """The plain module's ``state_dict()`` on group rank ``to``, None elsewhere (a collective)."""
+    if not 0 <= to < model.world_size:
+        raise ValueError(f"to={to} not in [0, {model.world_size})")
+    values = _gathered_values(model, to)
+    if model.rank != to:
+        return None
+    rest = model.module.state_dict()
+    return {
+        key: values[model.key_fqn[key]] if key in model.key_fqn else rest[key].detach().cpu()
+        for key in model.state_keys
+    }
+
+
+def load_full_state_dict(model: FullyShardedDataParallel, state: dict[str, Any]) -> None:
+    """Load a plain module's ``state_dict()`` on every rank, whatever world size saved it."""
+    missing = [k for k in model.state_keys if k not in state]
+    unexpected = [k for k in state if k not in set(model.state_keys)]
+    if missing or unexpected:
+        raise ValueError(
+            f"state dict does not match the wrapped module: missing keys {missing}, unexpected "
+            f"keys {unexpected}. Load a state_dict() of the same (unwrapped) model"
+        )
+    by_fqn = {model.key_fqn[k]: v for k, v in state.items() if k in model.key_fqn}
+    with torch.no_grad():
+        for unit in model.units:
+            for e in unit.entries:
+                got = tuple(by_fqn[e.fqn].shape)
+                if got != tuple(e.shape):
+                    raise ValueError(
+                        f"state dict entry {e.fqn!r} has shape {got}; the model's parameter "
+                        f"has shape {tuple(e.shape)}"
+                    )
+            unit.shard.copy_(unit.shard_of(by_fqn))
+    model.module.load_state_dict({k: v for k, v in state.items() if k not in model.key_fqn})
+
+
+def _layout(model: FullyShardedDataParallel) -> list[list[tuple[str, tuple[int, ...]]]]:
+    return [[(e.fqn, tuple(e.shape)) for e in unit.entries] for unit in model.units]
+
+
+def sharded_state_dict(model: FullyShardedDataParallel) -> dict[str, Any]:
+    """This rank's shards, buffers and frozen parameters, with the layout (no communication)."""
+    return {
+        "format": SHARDED_FORMAT,
+        "rank": model.rank,
+        "world_size": model.world_size,
+        "layout": _layout(model),
+        "shards": [unit.shard.detach().cpu().clone() for unit in model.units],
+        "rest": {k: v.detach().cpu() for k, v in model.module.state_dict().items()},
+    }
+
+
+def load_sharded_state_dict(model: FullyShardedDataParallel, state: dict[str, Any]) -> None:
+    """Load what :func:`sharded_state_dict` saved on this rank (same world size and model)."""
+    if not isinstance(state, dict) or state.get("format") != SHARDED_FORMAT:
+        raise ValueError(
+            "not a sharded FSDP state dict (no 'format': "
+            f"{SHARDED_FORMAT!r}); a plain state_dict() loads with load_full_state_dict"
+        )
+    saved = (state["rank"], state["world_size"])
+    if saved != (model.rank, model.world_size):
+        raise ValueError(
+            f"sharded state dict of rank {saved[0]} of {saved[1]} cannot load into rank "
+            f"{model.rank} of {model.world_size}: a sharded checkpoint loads at the world size "
+            "that wrote it; save and load a full state dict to change the world size"
+        )
+    if [[(f, tuple(s)) for f, s in unit] for unit in state["layout"]] != _layout(model):
+        raise ValueError(
+            "sharded state dict was cut from another model or auto_wrap (its units differ): "
+            "wrap the same model the same way, or load a full state dict"
+        )
+    with torch.no_grad():
+        for unit, shard in zip(model.units, state["shards"], strict=True):
+            unit.shard.copy_(shard)
+    model.module.load_state_dict(state["rest"])
+
+
+# -- optimizer ---------------------------------------------------------------------------------
+
+
+def _plain_names(model: FullyShardedDataParallel) -> dict[int, list[str]]:
+    """For each wrapper parameter (by id), the fqns of the original parameters it stands for."""
+    names: dict[int, list[str]] = {id(u.shard): [e.fqn for e in u.entries] for u in model.units}
+    for fqn, p in model.module.named_parameters():
+        names[id(p)] = [fqn]
+    return names
+
+
+def _elementwise(values: list[Any], unit: FlatUnit) -> bool:
+    """Whether a state entry holds one value per element (moments), not one per parameter."""
+    pairs = zip(values, unit.entries, strict=True)
+    matching = all(isinstance(v, torch.Tensor) and v.shape == e.shape for v, e in pairs)
+    return matching and any(len(e.shape) for e in unit.entries)
+
+
+def full_optim_state_dict(
+    model: FullyShardedDataParallel, optimizer: torch.optim.Optimizer, to: int = 0
+) -> dict[str, Any] | None:
+    """A plain optimizer's ``state_dict()`` over the plain module, on rank ``to`` (a collective).
+
+    It loads into ``optimizer_class(plain_module.parameters())``, and into this optimizer at any
+    world size through :func:`load_full_optim_state_dict`.
+    """
+    if not 0 <= to < model.world_size:
+        raise ValueError(f"to={to} not in [0, {model.world_size})")
+    index = {fqn: i for i, fqn in enumerate(model.param_fqns)}
+    names = _plain_names(model)
+    units = {id(u.shard): u for u in model.units}
+    saved = optimizer.state_dict()
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    keys = sorted(
+        (i, sorted(saved["state"].get(i, {}))) for i, p in enumerate(params) if id(p) in units
+    )
+    if model.world_size > 1:
+        everyone: list[Any] = [None] * model.world_size
+        dist.all_gather_object(everyone, keys, group=model.process_group)
+        if any(k != keys for k in everyone):
+            raise ValueError(
+                "the ranks' optimizers hold state for different shards or keys: step the "
+                "optimizer on every rank alike before saving"
+            )
+    state: dict[int, dict[str, Any]] = {}
+    for i, p in enumerate(params):
+        own = saved["state"].get(i, {})
+        unit = units.get(id(p))
+        if unit is None:
+            if own:
+                state[index[names[id(p)][0]]] = {k: _cpu(v) for k, v in own.items()}
+            continue
+        per_entry: list[dict[str, Any]] = [{} for _ in unit.entries]
+        for key in sorted(own):
+            value = own[key]
+            if isinstance(value, torch.Tensor) and value.shape == unit.shard.shape:
+                full = torch.empty(unit.padded, dtype=value.dtype, device=value.device)
+                if model.world_size > 1:
+                    all_gather_flat(full, value.contiguous(), group=model.process_group)
+                else:
+                    full.copy_(value)
+                for slot, e in zip(per_entry, unit.entries, strict=True):
+                    slot[key] = full[e.offset : e.offset + e.numel].view(e.shape).cpu().clone()
+            else:
+                for slot in per_entry:
+                    slot[key] = _cpu(value)
+        if own:
+            for slot, e in zip(per_entry, unit.entries, strict=True):
+                state[index[e.fqn]] = slot
+    if model.rank != to:
+        return None
+    groups = []
+    for g, group in zip(saved["param_groups"], optimizer.param_groups, strict=True):
+        ids = sorted(index[n] for p in group["params"] for n in names[id(p)])
+        groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": ids})
+    return {"state": dict(sorted(state.items())), "param_groups": groups}
+
+
+def load_full_optim_state_dict(
+    model: FullyShardedDataParallel, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+) -> None:
+    """Load a plain optimizer's state dict (see :func:`full_optim_state_dict`) on every rank."""
+    index = {fqn: i for i, fqn in enumerate(model.param_fqns)}
+    names = _plain_names(model)
+    units = {id(u.shard): u for u in model.units}
+    saved_groups = state["param_groups"]
+    if len(saved_groups) != len(optimizer.param_groups):
+        raise ValueError(
+            f"optimizer state with {len(saved_groups)} param groups cannot load into an "
+            f"optimizer with {len(optimizer.param_groups)}"
+        )
+    inner_state: dict[int, dict[str, Any]] = {}
+    inner_groups = []
+    j = 0
+    for saved, group in zip(saved_groups, optimizer.param_groups, strict=True):
+        expected = sorted(index[n] for p in group["params"] for n in names[id(p)])
+        if sorted(saved["params"]) != expected:
+            raise ValueError(
+                f"optimizer state group with parameters {sorted(saved['params'])} does not "
+                f"match this optimizer's group of parameters {expected} (plain module order)"
+            )
+        ids = []
+        for p in group["params"]:
+            unit = units.get(id(p))
+            entries = [state["state"].get(index[n]) for n in names[id(p)]]
+            if unit is None:
+                if entries[0] is not None:
+                    inner_state[j] = entries[0]
+            elif any(s is not None for s in entries):
+                inner_state[j] = _cut(unit, entries, p)
+            ids.append(j)
+            j += 1
+        inner_groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": ids})
+    optimizer.load_state_dict({"state": inner_state, "param_groups": inner_groups})
+
+
+def _cut(unit: FlatUnit, entries: list[dict[str, Any] | None], shard: torch.Tensor) -> dict:
+    """This rank's slice of a unit's per-parameter optimizer states."""
+    if any(s is None for s in entries):
+        missing = [e.fqn for e, s in zip(unit.entries, entries, strict=True) if s is None]
+        raise ValueError(f"optimizer state has no entry for parameters {missing}")
+    out: dict[str, Any] = {}
+    for key in entries[0]:
+        values = [s[key] for s in entries]  # type: ignore[index]
+        if _elementwise(values, unit):
+            by_fqn = {e.fqn: v for e, v in zip(unit.entries, values, strict=True)}
+            out[key] = unit.shard_of(by_fqn, dtype=values[0].dtype).to(shard.device)
+        else:
+            out[key] = values[0]
+    return out
+
+
+def _cpu(value: Any) -> Any:
+    return value.detach().cpu().clone() if isinstance(value, torch.Tensor) else value
