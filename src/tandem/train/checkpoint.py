@@ -54,6 +54,17 @@ _NAME = re.compile(r"ckpt-e(\d+)-s(\d+)\.pt")
 _PAYLOAD_KEYS = ("format_version", "epoch", "step", "state")
 
 
+def checkpoint_name(epoch: int, step: int) -> str:
+    """The name, without ``.pt``, of the checkpoint of ``epoch`` and ``step``.
+
+    Example::
+
+        >>> checkpoint_name(3, 1200)
+        'ckpt-e0003-s00001200'
+    """
+    return f"ckpt-e{epoch:04d}-s{step:08d}"
+
+
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be loaded; the message names the file and what is wrong with it."""
 
@@ -93,7 +104,7 @@ def save_checkpoint(
     """
     _check_args(state, epoch, step, keep)
     ckpt_dir = Path(run_dir) / CHECKPOINTS_DIR
-    name = f"ckpt-e{epoch:04d}-s{step:08d}.pt"
+    name = checkpoint_name(epoch, step) + ".pt"
     path = ckpt_dir / name
     sidecar = _sidecar(path)
     payload = {"format_version": FORMAT_VERSION, "epoch": epoch, "step": step, "state": state}

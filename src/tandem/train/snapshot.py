@@ -2,8 +2,9 @@
 
 A checkpoint (written by :func:`tandem.train.checkpoint.save_checkpoint`, rank 0 only) holds::
 
-    model        the unwrapped module's state_dict
-    optimizer    optimizer.state_dict()
+    model        the unwrapped module's state_dict (gathered when sharded; see model_state.py)
+    optimizer    optimizer.state_dict() (gathered as a plain optimizer's when sharded)
+    shards       None, or in the sharded format every rank's shard file digest (shard_files.py)
     scheduler    scheduler.state_dict() or None
     scaler       grad scaler's state_dict() or None
     sampler      the sampler's state, its position = batches handed out x batch_size
@@ -37,14 +38,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tandem.train.checkpoint import (
+    CHECKPOINTS_DIR,
     CheckpointError,
+    checkpoint_name,
     latest_checkpoint,
+    list_checkpoints,
     load_checkpoint,
     save_checkpoint,
 )
 from tandem.train.collective import from_rank0, gather_objects
 from tandem.train.metrics_log import write_metrics
+from tandem.train.model_state import capture, restore
 from tandem.train.rng import capture_rng_state
+from tandem.train.shard_files import prune_shards, read_shard, write_shard
 
 if TYPE_CHECKING:
     from tandem.train.trainer import Trainer
@@ -83,13 +89,26 @@ def save(trainer: Trainer) -> Path:
     Raises:
         OSError, ValueError: rank 0 could not write the checkpoint (raised on every rank).
     """
-    mine = {"rng": capture_rng_state(), "epoch_loss": list(trainer.epoch_loss)}
+    main, shard = capture(trainer.module, trainer.optimizer, sharded=trainer.sharded_checkpoints)
+    mine: dict[str, Any] = {"rng": capture_rng_state(), "epoch_loss": list(trainer.epoch_loss)}
+    ckpt_dir = trainer.run_dir / CHECKPOINTS_DIR
+    name = checkpoint_name(trainer.epoch, trainer.step)
+    if shard is not None:
+        try:
+            mine["shard"] = (None, write_shard(shard, ckpt_dir, name, trainer.world.rank))
+        except OSError as e:
+            mine["shard"] = ("OSError", f"rank {trainer.world.rank} could not save its shard: {e}")
     ranks = gather_objects(mine)
-    verdict: tuple[str | None, str | None] = (None, None)
+    failed = [r["shard"][1] for r in ranks if "shard" in r and r["shard"][0] is not None]
+    if failed:
+        # Every rank has the same gathered list: the same error everywhere, nothing committed.
+        raise OSError("; ".join(failed))
+    verdict: tuple[str | None, Any] = (None, None)
     if trainer.world.is_main:
         state = {
-            "model": trainer.module.state_dict(),
-            "optimizer": trainer.optimizer.state_dict(),
+            "model": main["model"],
+            "optimizer": main["optimizer"],
+            "shards": None if shard is None else {"sha256": [r["shard"][1] for r in ranks]},
             "scheduler": None if trainer.scheduler is None else trainer.scheduler.state_dict(),
             "scaler": None if trainer.scaler is None else trainer.scaler.state_dict(),
             "sampler": _sampler_state(trainer),
@@ -115,13 +134,16 @@ def save(trainer: Trainer) -> Path:
                 step=trainer.step,
                 keep=trainer.keep_checkpoints,
             )
-            verdict = (None, str(path))
+            verdict = (None, (str(path), [p.stem for p in list_checkpoints(ckpt_dir)]))
         except (OSError, ValueError) as e:
             verdict = (type(e).__name__, f"rank 0 could not save a checkpoint: {e}")
-    error, text = from_rank0(verdict)
+    error, payload = from_rank0(verdict)
+    if shard is not None:
+        # After a failed save too: its shards are then garbage.
+        prune_shards(ckpt_dir, set(payload[1]) if error is None else set(), trainer.world.rank)
     if error is not None:
-        raise (OSError if error != "ValueError" else ValueError)(text)
-    return Path(text)
+        raise (OSError if error != "ValueError" else ValueError)(payload)
+    return Path(payload[0])
 
 
 def resume(trainer: Trainer, resume: str | Path) -> None:
@@ -145,6 +167,23 @@ def resume(trainer: Trainer, resume: str | Path) -> None:
         raise CheckpointError(error)
     if payload is not None:
         _restore(trainer, payload)
+
+
+def _read_own_shard(trainer: Trainer, state: dict[str, Any], path: Path) -> dict[str, Any] | None:
+    """This rank's shard of a sharded checkpoint (None for a full one); errors on every rank."""
+    shards = state.get("shards")
+    if shards is None:
+        return None
+    shard, problem = None, None
+    try:
+        rank = trainer.world.rank
+        shard = read_shard(path.parent, path.stem, rank, shards["sha256"][rank])
+    except CheckpointError as e:
+        problem = str(e)
+    problems = [p for p in gather_objects(problem) if p is not None]
+    if problems:
+        raise CheckpointError(f"checkpoint {path}: " + "; ".join(problems))
+    return shard
 
 
 def _load(run_dir: Path, resume: str | Path) -> dict[str, Any] | None:
@@ -186,8 +225,8 @@ def _restore(trainer: Trainer, payload: dict[str, Any]) -> None:
                 f"checkpoint {path} {has} {name} state, and this Trainer was given "
                 f"{name}={getattr(trainer, name)!r}: pass the same kind of {name} as the run had"
             )
-    trainer.module.load_state_dict(state["model"])
-    trainer.optimizer.load_state_dict(state["optimizer"])
+    shard = _read_own_shard(trainer, state, Path(path))
+    restore(trainer.module, trainer.optimizer, state, shard)
     if trainer.scheduler is not None:
         trainer.scheduler.load_state_dict(state["scheduler"])
     if trainer.scaler is not None:

@@ -29,11 +29,13 @@ from torch.utils.data import Dataset
 
 import tandem
 from tandem.parallel.ddp import DistributedDataParallel
+from tandem.parallel.fsdp import FullyShardedDataParallel
 from tandem.train import snapshot
 from tandem.train.collective import wait_for_all
 from tandem.train.evaluation import evaluate
 from tandem.train.loaders import make_loaders
 from tandem.train.metrics_log import Summary, epoch_line, plot_metrics, write_metrics
+from tandem.train.model_state import check_format
 from tandem.train.progress import Progress
 from tandem.train.requests import Agreement, Requests
 from tandem.train.rng import restore_rng_state
@@ -97,6 +99,15 @@ class Trainer:
             all-reduce of five numbers each time), and at every epoch's end.
         progress: draw rank 0's progress bar.
         ddp_kwargs: extra arguments for :class:`tandem.DDP` (``find_unused_parameters``, ...).
+        checkpoint_format: ``"full"`` (rank 0 writes one file; a sharded model and optimizer
+            are gathered into a plain ``state_dict()`` that loads at any world size) or
+            ``"sharded"`` (each rank also writes its own shards, nothing is gathered; loads at
+            the same world size). Sharded needs a :class:`tandem.FullyShardedDataParallel`
+            model or a :class:`tandem.ShardedOptimizer`; see :mod:`tandem.train.model_state`.
+
+    Sharded training: pass a model already wrapped in :class:`tandem.FullyShardedDataParallel`
+    with an optimizer over its ``parameters()`` (it is not wrapped in DDP again), or a plain
+    model with a :class:`tandem.ShardedOptimizer` (wrapped in DDP as usual).
 
     Raises:
         ValueError: a bad argument, a ``run_dir`` that cannot be written, or a checkpoint that
@@ -140,6 +151,7 @@ class Trainer:
         check_every: int = 1,
         progress: bool = True,
         ddp_kwargs: dict[str, Any] | None = None,
+        checkpoint_format: Literal["full", "sharded"] = "full",
     ) -> None:
         for name, value, least in (
             ("max_epochs", max_epochs, 0),
@@ -155,6 +167,14 @@ class Trainer:
         if scheduler_interval not in ("epoch", "step"):
             raise ValueError(
                 f"scheduler_interval must be 'epoch' or 'step', not {scheduler_interval!r}"
+            )
+        check_format(model, optimizer, checkpoint_format)
+        fsdp = isinstance(model, FullyShardedDataParallel)
+        if fsdp and scaler is not None:
+            raise ValueError(
+                "scaler with a FullyShardedDataParallel model: a GradScaler sees only this "
+                "rank's gradient shards, so ranks could disagree on skipping a step; train "
+                "in bfloat16 autocast without a scaler, or with tandem.DDP"
             )
         if eval_data is not None and len(eval_data) == 0:
             raise ValueError("eval_data is empty (len 0): there is nothing to evaluate")
@@ -174,6 +194,7 @@ class Trainer:
         self.check_every = check_every
         self.show_progress = progress
         self.optimizer = optimizer
+        self.sharded_checkpoints = checkpoint_format == "sharded"
         snapshot.check_writable(self.run_dir, self.world.is_main)
 
         self.module = model.to(self.world.device)
@@ -206,8 +227,9 @@ class Trainer:
             snapshot.resume(self, resume)
 
         # After loading: tandem.DDP broadcasts rank 0's parameters, which are the loaded ones.
+        # A sharded model already averages its gradients.
         self.model: nn.Module = self.module
-        if self.world.world_size > 1:
+        if self.world.world_size > 1 and not fsdp:
             self.model = DistributedDataParallel(self.module, **(ddp_kwargs or {}))
 
     def train(self, max_epochs: int | None = None) -> Summary:
