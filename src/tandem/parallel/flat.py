@@ -147,6 +147,11 @@ class FlatUnit:
                 all_gather_flat(target, self.shard.detach(), group=self.group)
         self._gathered_version = self.shard._version
 
+    def invalidate(self) -> None:
+        """Mark ``full`` stale: the shard changed in a way its version counter does not show
+        (fused optimizers write through kernels that do not bump it)."""
+        self._gathered_version = None
+
     def free(self) -> None:
         """Release ``full``'s memory; views of it stay valid objects until the next gather."""
         self.full.untyped_storage().resize_(0)

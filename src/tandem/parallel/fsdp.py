@@ -26,6 +26,7 @@ once, at construction; frozen parameters stay ordinary, replicated parameters.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -34,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
+from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils._pytree import tree_flatten
 
 from tandem.parallel import fsdp_state
@@ -144,6 +146,10 @@ class FullyShardedDataParallel(nn.Module):
             unit.attach(requires_grad=False)
             if stage == 3:
                 unit.free()
+        # Fused optimizers update the shards without bumping their version counters, so the
+        # version alone cannot tell stage 2 that its gathered parameters went stale.
+        handle = register_optimizer_step_post_hook(_StepWatcher(self))
+        weakref.finalize(self, handle.remove)
 
     # -- forward and backward ------------------------------------------------------------------
 
@@ -184,9 +190,11 @@ class FullyShardedDataParallel(nn.Module):
         if not self._callback_queued:
             self._callback_queued = True
             Variable._execution_engine.queue_callback(self._finish_backward)
-        if unit is None or use is None or use.in_backward:
+        if unit is None or use is None:
             return
         use.in_backward = True
+        # Usually gathered already by an earlier output's hook; again after a retain_graph
+        # backward freed it.
         unit.gather()
 
     def _reduce(self, unit: FlatUnit, use: _Use, leaf: torch.Tensor) -> None:
@@ -195,7 +203,8 @@ class FullyShardedDataParallel(nn.Module):
         out, work = unit.reduce_scatter(grad)
         self._pending.append((unit, out, work, grad))
         uses = self._uses[unit.index]
-        uses.remove(use)
+        if use in uses:  # not on a second backward through a retained graph
+            uses.remove(use)
         # Another forward's backward of this unit may still need the parameters.
         if self.stage == 3 and not any(u.in_backward for u in uses):
             unit.free()
@@ -238,6 +247,8 @@ class FullyShardedDataParallel(nn.Module):
             for unit in self.units:
                 if writeback:
                     unit.writeback()
+                else:
+                    unit.invalidate()  # the edits must not outlive the block
                 if self.stage == 3:
                     unit.free()
 
@@ -310,6 +321,22 @@ class FullyShardedDataParallel(nn.Module):
         for g in grads:
             g.mul_(coefficient.to(g.dtype))
         return total
+
+
+class _StepWatcher:
+    """After any optimizer's step, mark the wrapper's units it stepped as stale (weakly held)."""
+
+    def __init__(self, model: FullyShardedDataParallel) -> None:
+        self.model = weakref.ref(model)
+
+    def __call__(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
+        model = self.model()
+        if model is None:
+            return
+        stepped = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        for unit in model.units:
+            if id(unit.shard) in stepped:
+                unit.invalidate()
 
 
 def _predicate(auto_wrap: AutoWrap | None) -> Callable[[nn.Module], bool]:

@@ -135,11 +135,17 @@ def _plain_names(model: FullyShardedDataParallel) -> dict[int, list[str]]:
     return names
 
 
-def _elementwise(values: list[Any], unit: FlatUnit) -> bool:
-    """Whether a state entry holds one value per element (moments), not one per parameter."""
+def _elementwise(key: str, values: list[Any], unit: FlatUnit) -> bool:
+    """Whether a state entry holds one value per element (moments), not one per parameter.
+
+    Told by shape; for a unit of 0-d parameters only, whose moments look like Adam's 0-d
+    ``step``, by the name ``step`` too.
+    """
     pairs = zip(values, unit.entries, strict=True)
     matching = all(isinstance(v, torch.Tensor) and v.shape == e.shape for v, e in pairs)
-    return matching and any(len(e.shape) for e in unit.entries)
+    if any(len(e.shape) for e in unit.entries):
+        return matching
+    return matching and key != "step"
 
 
 def full_optim_state_dict(
@@ -248,7 +254,7 @@ def _cut(unit: FlatUnit, entries: list[dict[str, Any] | None], shard: torch.Tens
     out: dict[str, Any] = {}
     for key in entries[0]:
         values = [s[key] for s in entries]  # type: ignore[index]
-        if _elementwise(values, unit):
+        if _elementwise(key, values, unit):
             by_fqn = {e.fqn: v for e, v in zip(unit.entries, values, strict=True)}
             out[key] = unit.shard_of(by_fqn, dtype=values[0].dtype).to(shard.device)
         else:
