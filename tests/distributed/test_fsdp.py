@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import itertools
 import os
 import random
 
@@ -59,6 +58,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import tandem
+from tests.fsdp_models import MLP, Net, seeded
 from tests.harness import run_ranks
 
 FSDP = tandem.FullyShardedDataParallel
@@ -81,21 +81,6 @@ def _ceil(n: int, ws: int) -> int:
 
 
 # -- models and data ------------------------------------------------------------------------------
-
-
-class Net(nn.Module):
-    """A root parameter, a Linear, a nested bias-free Linear and a buffer (state_dict order:
-    offset, shift, inp.weight, inp.bias, block.0.weight)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.offset = nn.Parameter(0.1 * torch.randn(3))
-        self.inp = nn.Linear(6, 5)
-        self.block = nn.Sequential(nn.Linear(5, 3, bias=False), nn.Tanh())
-        self.register_buffer("shift", torch.arange(3.0))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.block(torch.tanh(self.inp(x))) + self.offset + self.shift
 
 
 class Tied(nn.Module):
@@ -140,28 +125,8 @@ class TwoDtypes(nn.Module):
         return self.block(torch.tanh(self.inp(x)).double()).float()
 
 
-class RandomMLP(nn.Module):
-    """Linears of the given widths (bias or not) nested in a Sequential, and a root scale."""
-
-    def __init__(self, widths: list[int], biases: list[bool]) -> None:
-        super().__init__()
-        layers: list[nn.Module] = []
-        for (a, b), bias in zip(itertools.pairwise(widths), biases, strict=False):
-            layers += [nn.Linear(a, b, bias=bias), nn.Tanh()]
-        self.body = nn.Sequential(*layers)
-        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, widths[-1]))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.body(x) * self.scale
-
-
-def _seeded(cls, *args, seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
-    return cls(*args)
-
-
 def _net(seed: int = 0) -> nn.Module:
-    return _seeded(Net, seed=seed)
+    return seeded(Net, seed=seed)
 
 
 def _batch(step: int, rank: int, ws: int, micro: int = 0, din: int = 6, dout: int = 3):
@@ -199,6 +164,20 @@ def _step(model, opt, step: int, data=_batch, loss=_mse) -> float:
     return value.item()
 
 
+def _side_by_side(make, optimizer: str, stage: int, auto_wrap):
+    """FSDP over ``make()`` and the oracle, tandem.DDP over another ``make()``, each with its own
+    optimizer named ``optimizer``: (model, opt, oracle, ref)."""
+    model = FSDP(make(), stage=stage, auto_wrap=auto_wrap)
+    oracle = tandem.DDP(make())
+    cls, kwargs = OPTIMIZERS[optimizer]
+    return model, cls(model.parameters(), **kwargs), oracle, cls(oracle.parameters(), **kwargs)
+
+
+def _train(model, opt, oracle, ref, steps: int, **step) -> list[tuple[float, float]]:
+    """Steps 0 to ``steps - 1`` of both, side by side; the losses, (ours, DDP's) per step."""
+    return [(_step(model, opt, s, **step), _step(oracle, ref, s, **step)) for s in range(steps)]
+
+
 # -- reading results ------------------------------------------------------------------------------
 
 
@@ -222,6 +201,16 @@ def _same_everywhere(tensors) -> bool:
     everyone = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, flat)
     return all(torch.equal(flat, other) for other in everyone)
+
+
+def _params(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in module.named_parameters()}
+
+
+def _compare(model: FSDP, expected: dict[str, torch.Tensor]) -> dict:
+    """The gathered tensors named like ``expected``: how far from it, and the same on every rank."""
+    values = _gathered(model, expected)
+    return {"diff": _diff(values, expected), "same_everywhere": _same_everywhere(values.values())}
 
 
 def _optim_match(full: dict, reference: dict) -> dict:
@@ -302,28 +291,25 @@ def _parity() -> list[dict]:
     results = []
     for stage in (2, 3):
         for wrap, auto_wrap in WRAPS.items():
-            for name, (cls, kwargs) in OPTIMIZERS.items():
-                model = FSDP(_net(), stage=stage, auto_wrap=auto_wrap)
-                oracle = tandem.DDP(_net())
-                opt, ref = cls(model.parameters(), **kwargs), cls(oracle.parameters(), **kwargs)
+            for name in OPTIMIZERS:
+                model, opt, oracle, ref = _side_by_side(_net, name, stage, auto_wrap)
                 # units gathered while each Linear runs (hooks run after the wrapper's gather)
                 during: list[int] = []
                 for linear in (model.module.inp, model.module.block[0]):
                     linear.register_forward_pre_hook(
                         lambda *_, d=during, m=model: d.append(sum(u.is_gathered for u in m.units))
                     )
-                losses = [(_step(model, opt, s), _step(oracle, ref, s)) for s in range(STEPS)]
+                losses = _train(model, opt, oracle, ref, STEPS)
                 expected = oracle.module.state_dict()
                 plain_params = dict(oracle.module.named_parameters())
                 layout = _layout(model, {k: v.detach() for k, v in plain_params.items()})
-                values = _gathered(model, expected)
+                compared = _compare(model, expected)
                 full = model.full_state_dict()
                 results.append(
                     {
                         "config": (stage, wrap, name),
                         "loss_diff": max(abs(a - b) for a, b in losses),
-                        "diff": _diff(values, expected),
-                        "same_everywhere": _same_everywhere(values.values()),
+                        **compared,
                         "full_keys_match": None if full is None else list(full) == list(expected),
                         "full_diff": None if full is None else _diff(full, expected),
                         "state_bytes": _state_bytes(opt),
@@ -376,19 +362,14 @@ def test_parity_with_ddp_and_sharded_memory(world_size):
 def _random_widths(configs: list[dict]) -> list[float]:
     diffs = []
     for c in configs:
-        make = functools.partial(_seeded, RandomMLP, c["widths"], c["biases"], seed=c["seed"])
-        model = FSDP(make(), stage=c["stage"], auto_wrap={nn.Linear} if c["wrap"] else None)
-        oracle = tandem.DDP(make())
-        cls, kwargs = OPTIMIZERS[c["optimizer"]]
-        opt, ref = cls(model.parameters(), **kwargs), cls(oracle.parameters(), **kwargs)
+        make = functools.partial(seeded, MLP, c["widths"], c["biases"], seed=c["seed"])
+        auto_wrap = {nn.Linear} if c["wrap"] else None
+        model, opt, oracle, ref = _side_by_side(make, c["optimizer"], c["stage"], auto_wrap)
         data = functools.partial(_batch, din=c["widths"][0], dout=c["widths"][-1])
-        for s in range(3):
-            _step(model, opt, s, data=data)
-            _step(oracle, ref, s, data=data)
-        expected = {k: v.detach() for k, v in oracle.module.named_parameters()}
-        values = _gathered(model, expected)
-        assert _same_everywhere(values.values()), c
-        diffs.append(_diff(values, expected))
+        _train(model, opt, oracle, ref, 3, data=data)
+        result = _compare(model, _params(oracle.module))
+        assert result["same_everywhere"], c
+        diffs.append(result["diff"])
     return diffs
 
 
@@ -413,10 +394,6 @@ def test_parity_random_widths_three_ranks():
 
 
 # -- 3 to 6: accumulation, evaluation, frozen, tied, reuse, dtypes, clipping ---------------------
-
-
-def _params(module: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in module.named_parameters()}
 
 
 def _accumulated_grad(stage: int) -> float:
@@ -445,10 +422,7 @@ def _accumulated_grad(stage: int) -> float:
 def _variant(stage: int, variant: str) -> dict:
     """Three AdamW steps with an accumulation or an evaluation pattern, vs plain DDP steps."""
     rank, ws = dist.get_rank(), dist.get_world_size()
-    model = FSDP(_net(), stage=stage, auto_wrap={nn.Linear})
-    oracle = tandem.DDP(_net())
-    cls, kwargs = OPTIMIZERS["adamw"]
-    opt, ref = cls(model.parameters(), **kwargs), cls(oracle.parameters(), **kwargs)
+    model, opt, oracle, ref = _side_by_side(_net, "adamw", stage, {nn.Linear})
     eval_diffs, gathered_after = [], []
     for step in range(3):
         x, y = _batch(step, rank, ws)
@@ -478,11 +452,8 @@ def _variant(stage: int, variant: str) -> dict:
             with torch.no_grad():
                 eval_diffs.append((model(x_eval) - oracle.module(x_eval)).abs().max().item())
         gathered_after.append([u.is_gathered for u in model.units])
-    expected = _params(oracle.module)
-    values = _gathered(model, expected)
     return {
-        "diff": _diff(values, expected),
-        "same_everywhere": _same_everywhere(values.values()),
+        **_compare(model, _params(oracle.module)),
         "eval_diff": max(eval_diffs, default=0.0),
         "gathered_after": gathered_after,
     }
@@ -502,22 +473,16 @@ def _frozen(stage: int, wrap: str) -> dict:
         return net
 
     initial = _net().inp.weight.detach().clone()  # rank 0's value
-    model = FSDP(make(), stage=stage, auto_wrap=WRAPS[wrap])
-    oracle = tandem.DDP(make())
-    cls, kwargs = OPTIMIZERS["adamw"]
-    opt, ref = cls(model.parameters(), **kwargs), cls(oracle.parameters(), **kwargs)
-    for s in range(3):
-        _step(model, opt, s)
-        _step(oracle, ref, s)
+    model, opt, oracle, ref = _side_by_side(make, "adamw", stage, WRAPS[wrap])
+    _train(model, opt, oracle, ref, 3)
     expected = oracle.module.state_dict()
-    values = _gathered(model, expected)
+    compared = _compare(model, expected)
     frozen = model.module.inp.weight
     full = model.full_state_dict()
     full_optim = model.full_optim_state_dict(opt)
     return {
         "optim": None if full_optim is None else _optim_match(full_optim, ref.state_dict()),
-        "diff": _diff(values, expected),
-        "same_everywhere": _same_everywhere(values.values()),
+        **compared,
         "frozen_unchanged": torch.equal(frozen, initial),
         "frozen_is_parameter": isinstance(frozen, nn.Parameter) and not frozen.requires_grad,
         "module_params": [n for n, _ in model.module.named_parameters()],
@@ -527,15 +492,11 @@ def _frozen(stage: int, wrap: str) -> dict:
 
 
 def _tied(stage: int) -> dict:
-    model = FSDP(_seeded(Tied), stage=stage, auto_wrap={nn.Linear})
-    oracle = tandem.DDP(_seeded(Tied))
-    cls, kwargs = OPTIMIZERS["adamw"]
-    opt, ref = cls(model.parameters(), **kwargs), cls(oracle.parameters(), **kwargs)
-    for s in range(3):
-        _step(model, opt, s, data=_tokens, loss=_cross_entropy)
-        _step(oracle, ref, s, data=_tokens, loss=_cross_entropy)
+    make = functools.partial(seeded, Tied)
+    model, opt, oracle, ref = _side_by_side(make, "adamw", stage, {nn.Linear})
+    _train(model, opt, oracle, ref, 3, data=_tokens, loss=_cross_entropy)
     expected = oracle.module.state_dict()
-    values = _gathered(model, expected)
+    compared = _compare(model, expected)
     with model.gathered(writeback=False) as net:
         one_tensor = net.head.weight is net.embed.weight
     root = next(u for u in model.units if "embed.weight" in [e.fqn for e in u.entries])
@@ -543,8 +504,7 @@ def _tied(stage: int) -> dict:
     full_optim = model.full_optim_state_dict(opt)
     return {
         "optim": None if full_optim is None else _optim_match(full_optim, ref.state_dict()),
-        "diff": _diff(values, expected),
-        "same_everywhere": _same_everywhere(values.values()),
+        **compared,
         "one_tensor": one_tensor,
         "unit_fqns": [[e.fqn for e in u.entries] for u in model.units],
         "root_locations": [name for e in root.entries for _, name in e.locations],
@@ -553,44 +513,27 @@ def _tied(stage: int) -> dict:
 
 
 def _reuse(stage: int) -> dict:
-    model = FSDP(_seeded(Reuse), stage=stage, auto_wrap=lambda m: isinstance(m, nn.Linear))
-    oracle = tandem.DDP(_seeded(Reuse))
-    cls, kwargs = OPTIMIZERS["sgd"]
-    opt, ref = cls(model.parameters(), **kwargs), cls(oracle.parameters(), **kwargs)
-    for s in range(3):
-        _step(model, opt, s)
-        _step(oracle, ref, s)
-    expected = _params(oracle.module)
-    values = _gathered(model, expected)
-    return {
-        "diff": _diff(values, expected),
-        "same_everywhere": _same_everywhere(values.values()),
-        "units": len(model.units),
-    }
+    make = functools.partial(seeded, Reuse)
+    predicate = lambda m: isinstance(m, nn.Linear)  # noqa: E731
+    model, opt, oracle, ref = _side_by_side(make, "sgd", stage, predicate)
+    _train(model, opt, oracle, ref, 3)
+    return {**_compare(model, _params(oracle.module)), "units": len(model.units)}
 
 
 def _two_dtypes(stage: int) -> dict:
-    model = FSDP(_seeded(TwoDtypes), stage=stage, auto_wrap={nn.Linear})
-    oracle = tandem.DDP(_seeded(TwoDtypes))
-    cls, kwargs = OPTIMIZERS["adamw"]
-    opt, ref = cls(model.parameters(), **kwargs), cls(oracle.parameters(), **kwargs)
-    for s in range(3):
-        _step(model, opt, s)
-        _step(oracle, ref, s)
+    make = functools.partial(seeded, TwoDtypes)
+    model, opt, oracle, ref = _side_by_side(make, "adamw", stage, {nn.Linear})
+    _train(model, opt, oracle, ref, 3)
     expected = _params(oracle.module)
-    values = _gathered(model, expected)
     return {
-        "diff": _diff(values, expected),
+        "diff": _diff(_gathered(model, expected), expected),
         "dtypes": sorted(str(u.shard.dtype) for u in model.units),
     }
 
 
 def _clip(stage: int, norm_type: float) -> dict:
     rank, ws = dist.get_rank(), dist.get_world_size()
-    model = FSDP(_net(), stage=stage, auto_wrap={nn.Linear})
-    oracle = tandem.DDP(_net())
-    cls, kwargs = OPTIMIZERS["sgd"]
-    opt, ref = cls(model.parameters(), **kwargs), cls(oracle.parameters(), **kwargs)
+    model, opt, oracle, ref = _side_by_side(_net, "sgd", stage, {nn.Linear})
     norms = []
     for s in range(3):
         x, y = _batch(s, rank, ws)
@@ -603,13 +546,7 @@ def _clip(stage: int, norm_type: float) -> dict:
         norms.append((ours.item(), theirs.item()))
         opt.step()
         ref.step()
-    expected = _params(oracle.module)
-    values = _gathered(model, expected)
-    return {
-        "norms": norms,
-        "diff": _diff(values, expected),
-        "same_everywhere": _same_everywhere(values.values()),
-    }
+    return {"norms": norms, **_compare(model, _params(oracle.module))}
 
 
 def _behaviours() -> dict:
@@ -734,12 +671,8 @@ def _save_and_reload(tmp: str) -> dict:
     rank = dist.get_rank()
     out: dict = {}
     for stage in (2, 3):
-        model = FSDP(_net(), stage=stage, auto_wrap={nn.Linear})
-        oracle = tandem.DDP(_net())
-        opt, ref = _adamw(model.parameters()), _adamw(oracle.parameters())
-        for s in range(3):
-            _step(model, opt, s)
-            _step(oracle, ref, s)
+        model, opt, oracle, ref = _side_by_side(_net, "adamw", stage, {nn.Linear})
+        _train(model, opt, oracle, ref, 3)
         full = model.full_state_dict()
         full_at_1 = model.full_state_dict(to=1)
         full_optim = model.full_optim_state_dict(opt)
@@ -840,7 +773,6 @@ def _resume_at_four(tmp: str) -> dict:
             _step(model, opt, s)
             _step(oracle, ref, s)
         expected = oracle.module.state_dict()
-        values = _gathered(model, expected)
         old = torch.load(
             os.path.join(tmp, f"sharded{stage}", f"rank{rank % 2}.pt"), weights_only=True
         )
@@ -849,8 +781,7 @@ def _resume_at_four(tmp: str) -> dict:
             if roundtrip is None
             else list(roundtrip) == list(saved["model"])
             and all(torch.equal(roundtrip[k], v) for k, v in saved["model"].items()),
-            "diff": _diff(values, expected),
-            "same_everywhere": _same_everywhere(values.values()),
+            **_compare(model, expected),
             "other_world_size": _refused(model.load_sharded_state_dict, old["model"]),
         }
     return out
@@ -900,7 +831,7 @@ def _bad_inputs() -> dict:
     out["shape"] = _refused(FSDP, shape)
     count = nn.Sequential(nn.Linear(4, 3), *([nn.Linear(3, 2)] if rank == 1 else []))
     out["count"] = _refused(FSDP, count)
-    mixed = _seeded(TwoDtypes)
+    mixed = seeded(TwoDtypes)
     out["mixed"] = _refused(functools.partial(FSDP, auto_wrap=None), mixed)
     # and the ranks still work together afterwards
     model = FSDP(_net(), auto_wrap={nn.Linear})

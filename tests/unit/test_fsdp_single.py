@@ -28,7 +28,6 @@ The oracle is the plain module with the plain optimizer, trained side by side on
 from __future__ import annotations
 
 import copy
-import itertools
 
 import pytest
 import torch
@@ -39,26 +38,13 @@ from hypothesis import strategies as st
 from torch import nn
 
 import tandem
+from tests.fsdp_models import MLP, Net, seeded
 
 FSDP = tandem.FullyShardedDataParallel
 OPTIMIZERS = {
     "sgd": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.01}),
     "adamw": (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.1}),
 }
-
-
-class Net(nn.Module):
-    """A root parameter, a Linear, a nested bias-free Linear and a buffer."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.offset = nn.Parameter(0.1 * torch.randn(3))
-        self.inp = nn.Linear(6, 5)
-        self.block = nn.Sequential(nn.Linear(5, 3, bias=False), nn.Tanh())
-        self.register_buffer("shift", torch.arange(3.0))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.block(torch.tanh(self.inp(x))) + self.offset + self.shift
 
 
 class Scaled(nn.Module):
@@ -74,19 +60,6 @@ class Scaled(nn.Module):
         return self.out(torch.tanh(self.inp(x))) * self.logit_scale
 
 
-class MLP(nn.Module):
-    def __init__(self, widths: list[int], biases: list[bool]) -> None:
-        super().__init__()
-        layers: list[nn.Module] = []
-        for (a, b), bias in zip(itertools.pairwise(widths), biases, strict=False):
-            layers += [nn.Linear(a, b, bias=bias), nn.Tanh()]
-        self.body = nn.Sequential(*layers)
-        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, widths[-1]))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.body(x) * self.scale
-
-
 class Bag(nn.Module):
     """Parameters of the given shapes, p0, p1, ..., and nothing else."""
 
@@ -94,11 +67,6 @@ class Bag(nn.Module):
         super().__init__()
         for i, shape in enumerate(shapes):
             self.register_parameter(f"p{i}", nn.Parameter(torch.randn(shape)))
-
-
-def _seeded(cls, *args, seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
-    return cls(*args)
 
 
 def _batch(step: int, din: int = 6, dout: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,6 +89,19 @@ def _assert_same_state(ours: dict, theirs: dict, ordered: bool = True) -> None:
         assert torch.equal(ours[k], theirs[k]), k
 
 
+def _assert_same_forward(model: nn.Module, plain: nn.Module, step: int = 0) -> None:
+    """Both give the same bits on ``step``'s inputs (under no_grad)."""
+    x = _batch(step)[0]
+    with torch.no_grad():
+        assert torch.equal(model(x), plain(x))
+
+
+def _assert_same_model(model: FSDP, plain: nn.Module) -> None:
+    """The wrapper's full state dict is the plain one, and its forward gives the same bits."""
+    _assert_same_state(model.full_state_dict(), plain.state_dict())
+    _assert_same_forward(model, plain)
+
+
 @pytest.fixture(autouse=True)
 def _no_process_group():
     assert not dist.is_initialized()
@@ -134,7 +115,7 @@ def _no_process_group():
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_trains_like_the_plain_module_bitwise(stage, auto_wrap, name):
     cls, kwargs = OPTIMIZERS[name]
-    model, plain = FSDP(_seeded(Net), stage=stage, auto_wrap=auto_wrap), _seeded(Net)
+    model, plain = FSDP(seeded(Net), stage=stage, auto_wrap=auto_wrap), seeded(Net)
     opt, ref = cls(model.parameters(), **kwargs), cls(plain.parameters(), **kwargs)
     for step in range(5):
         assert torch.equal(_step(model, opt, step), _step(plain, ref, step)), step
@@ -145,9 +126,7 @@ def test_trains_like_the_plain_module_bitwise(stage, auto_wrap, name):
     assert full_optim["state"].keys() == reference["state"].keys()
     for i, s in reference["state"].items():
         _assert_same_state(full_optim["state"][i], s, ordered=False)
-    x = _batch(99)[0]
-    with torch.no_grad():
-        assert torch.equal(model(x), plain(x))
+    _assert_same_forward(model, plain, step=99)
 
 
 widths_st = st.lists(st.integers(1, 6), min_size=2, max_size=4)
@@ -163,7 +142,7 @@ widths_st = st.lists(st.integers(1, 6), min_size=2, max_size=4)
 )
 def test_random_widths_train_like_the_plain_module(widths, biases, stage, wrap, name):
     cls, kwargs = OPTIMIZERS[name]
-    make = lambda: _seeded(MLP, widths, biases)  # noqa: E731
+    make = lambda: seeded(MLP, widths, biases)  # noqa: E731
     model = FSDP(make(), stage=stage, auto_wrap={nn.Linear} if wrap else None)
     plain = make()
     opt, ref = cls(model.parameters(), **kwargs), cls(plain.parameters(), **kwargs)
@@ -181,7 +160,7 @@ shapes_st = st.lists(st.lists(st.integers(1, 4), max_size=3).map(tuple), min_siz
 @settings(max_examples=50, deadline=None)
 @given(shapes=shapes_st, stage=st.sampled_from([2, 3]))
 def test_layout_round_trips(shapes, stage):
-    bag = _seeded(Bag, shapes)
+    bag = seeded(Bag, shapes)
     originals = {n: p.detach().clone() for n, p in bag.named_parameters()}
     model = FSDP(bag, stage=stage)
     (unit,) = model.units
@@ -210,49 +189,38 @@ def test_layout_round_trips(shapes, stage):
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_load_full_state_dict_makes_the_wrapper_that_model(stage):
-    model = FSDP(_seeded(Net), stage=stage, auto_wrap={nn.Linear})
-    other = _seeded(Net, seed=1)
+    model = FSDP(seeded(Net), stage=stage, auto_wrap={nn.Linear})
+    other = seeded(Net, seed=1)
     other.shift.fill_(5.0)
     model.load_full_state_dict(other.state_dict())
-    _assert_same_state(model.full_state_dict(), other.state_dict())
-    x = _batch(0)[0]
-    with torch.no_grad():
-        assert torch.equal(model(x), other(x))
+    _assert_same_model(model, other)
 
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_gathered_writeback_reaches_the_shards(stage):
-    model = FSDP(_seeded(Net), stage=stage, auto_wrap={nn.Linear})
-    plain = _seeded(Net)
+    model, plain = FSDP(seeded(Net), stage=stage, auto_wrap={nn.Linear}), seeded(Net)
     with model.gathered(writeback=True) as net:
         net.inp.weight.mul_(2.0)
         net.offset.fill_(1.0)
     with torch.no_grad():
         plain.inp.weight.mul_(2.0)
         plain.offset.fill_(1.0)
-    _assert_same_state(model.full_state_dict(), plain.state_dict())
-    x = _batch(0)[0]
-    with torch.no_grad():
-        assert torch.equal(model(x), plain(x))
+    _assert_same_model(model, plain)
 
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_gathered_without_writeback_discards_edits(stage):
-    model = FSDP(_seeded(Net), stage=stage, auto_wrap={nn.Linear})
-    plain = _seeded(Net)
+    model, plain = FSDP(seeded(Net), stage=stage, auto_wrap={nn.Linear}), seeded(Net)
     with model.gathered(writeback=False) as net:
         net.inp.weight.zero_()
     # Neither the shards, nor the full state dict, nor the next forward see the edit.
     assert torch.equal(model.units[0].shard.detach()[:30], plain.inp.weight.reshape(-1))
-    _assert_same_state(model.full_state_dict(), plain.state_dict())
-    x = _batch(0)[0]
-    with torch.no_grad():
-        assert torch.equal(model(x), plain(x))
+    _assert_same_model(model, plain)
 
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_fused_optimizer_trains_like_the_plain_module(stage):
-    model, plain = FSDP(_seeded(Net), stage=stage), _seeded(Net)
+    model, plain = FSDP(seeded(Net), stage=stage), seeded(Net)
     opt = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
     ref = torch.optim.AdamW(plain.parameters(), lr=0.01, fused=True)
     for step in range(3):
@@ -266,19 +234,17 @@ def test_fused_optimizer_trains_like_the_plain_module(stage):
     "by its autograd version counter, which in-place writes through .data do not bump",
 )
 def test_shard_changed_through_data_is_seen_by_the_next_forward():
-    model, plain = FSDP(_seeded(Net), stage=2), _seeded(Net)
+    model, plain = FSDP(seeded(Net), stage=2), seeded(Net)
     for p in model.parameters():
         p.data.mul_(0.5)
     for p in plain.parameters():
         p.data.mul_(0.5)
-    x = _batch(0)[0]
-    with torch.no_grad():
-        assert torch.equal(model(x), plain(x))
+    _assert_same_forward(model, plain)
 
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_backward_twice_through_a_retained_graph(stage):
-    model, plain = FSDP(_seeded(Net), stage=stage, auto_wrap={nn.Linear}), _seeded(Net)
+    model, plain = FSDP(seeded(Net), stage=stage, auto_wrap={nn.Linear}), seeded(Net)
     x, y = _batch(0)
     for m in (model, plain):
         loss = F.mse_loss(m(x), y)
@@ -293,7 +259,7 @@ def test_backward_twice_through_a_retained_graph(stage):
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_scalar_only_unit_reloads_its_optimizer_state(name):
     cls, kwargs = OPTIMIZERS[name]
-    model, plain = FSDP(_seeded(Scaled), auto_wrap={nn.Linear}), _seeded(Scaled)
+    model, plain = FSDP(seeded(Scaled), auto_wrap={nn.Linear}), seeded(Scaled)
     opt, ref = cls(model.parameters(), **kwargs), cls(plain.parameters(), **kwargs)
     for step in range(2):
         _step(model, opt, step)
@@ -302,7 +268,7 @@ def test_scalar_only_unit_reloads_its_optimizer_state(name):
     reference = ref.state_dict()
     for i, s in reference["state"].items():
         _assert_same_state(full_optim["state"][i], s, ordered=False)
-    resumed = FSDP(_seeded(Scaled), auto_wrap={nn.Linear})
+    resumed = FSDP(seeded(Scaled), auto_wrap={nn.Linear})
     resumed.load_full_state_dict(model.full_state_dict())
     resumed_opt = cls(resumed.parameters(), **kwargs)
     resumed.load_full_optim_state_dict(resumed_opt, copy.deepcopy(full_optim))
@@ -317,18 +283,18 @@ def test_scalar_only_unit_reloads_its_optimizer_state(name):
 @pytest.mark.parametrize("stage", [0, 1, 4, "3"])
 def test_other_stages_point_to_sharded_optimizer(stage):
     with pytest.raises(ValueError, match="ShardedOptimizer") as info:
-        FSDP(_seeded(Net), stage=stage)
+        FSDP(seeded(Net), stage=stage)
     assert f"stage={stage!r}" in str(info.value)
 
 
 @pytest.mark.parametrize("auto_wrap", [{int}, [nn.Linear, "Linear"], "Linear"])
 def test_auto_wrap_must_be_module_classes_or_a_predicate(auto_wrap):
     with pytest.raises(ValueError, match="auto_wrap"):
-        FSDP(_seeded(Net), auto_wrap=auto_wrap)
+        FSDP(seeded(Net), auto_wrap=auto_wrap)
 
 
 def test_one_unit_of_two_dtypes_names_the_parameters():
-    net = _seeded(Net)
+    net = seeded(Net)
     net.block.double()
     with pytest.raises(ValueError, match="dtypes") as info:
         FSDP(net)
