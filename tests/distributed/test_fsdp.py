@@ -343,8 +343,9 @@ def test_parity_with_ddp_and_sharded_memory(world_size):
             assert r["slice_diff"] <= TOL, context
             assert r["params_are_shards"] and r["module_params"] == [], context
             if stage == 3:
-                # during forward: the running unit and the root (kept for backward), no other
-                assert r["gathered_during_forward"] == [min(2, len(numels))], context
+                # during forward: the running unit, the root (kept for backward) and, from the
+                # second forward on, the next unit (prefetched), no other
+                assert max(r["gathered_during_forward"]) <= min(3, len(numels)), context
                 assert not any(r["gathered"]), context
                 assert set(r["view_bytes"]) == {0}, context
             else:

@@ -117,6 +117,7 @@ class FlatUnit:
         if self.padded > self.numel:
             self.split_sizes.append(self.padded - self.numel)
         self.full = torch.empty(self.padded, dtype=dtype, device=device)
+        self._gathering: dist.Work | None = None  # a prefetch's all-gather in flight
         self.free()
         # The shard's version when ``full`` was last filled from it: unchanged means ``full`` is
         # still current (stage 2 keeps it between steps and skips the all-gather).
@@ -132,8 +133,17 @@ class FlatUnit:
     def is_current(self) -> bool:
         return self.is_gathered and self._gathered_version == self.shard._version
 
-    def gather(self) -> None:
-        """Fill ``full`` from every rank's shard (one all-gather), unless it is current."""
+    def gather(self, async_op: bool = False) -> None:
+        """Fill ``full`` from every rank's shard (one all-gather), unless it is current.
+
+        With ``async_op`` the all-gather is only started (a prefetch); the next plain
+        ``gather()`` or ``free()`` waits for it.
+        """
+        if self._gathering is not None:
+            if not async_op:
+                self._gathering.wait()
+                self._gathering = None
+            return
         if self.is_current:
             return
         storage = self.full.untyped_storage()
@@ -144,7 +154,10 @@ class FlatUnit:
             if self.world_size == 1:
                 target.copy_(self.shard)
             else:
-                all_gather_flat(target, self.shard.detach(), group=self.group)
+                work = all_gather_flat(
+                    target, self.shard.detach(), group=self.group, async_op=async_op
+                )
+                self._gathering = work if async_op else None
         self._gathered_version = self.shard._version
 
     def invalidate(self) -> None:
@@ -154,6 +167,9 @@ class FlatUnit:
 
     def free(self) -> None:
         """Release ``full``'s memory; views of it stay valid objects until the next gather."""
+        if self._gathering is not None:  # never free what a collective is writing into
+            self._gathering.wait()
+            self._gathering = None
         self.full.untyped_storage().resize_(0)
         self._gathered_version = None
 

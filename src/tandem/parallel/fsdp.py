@@ -46,12 +46,23 @@ from tandem.parallel.replicas import broadcast_coalesced, verify_same_parameters
 AutoWrap = Callable[[nn.Module], bool] | Iterable[type[nn.Module]]
 
 
+# Reduce-scatters left running at once: each holds a unit's whole flat gradient, so an
+# unbounded number would keep every gradient alive until backward ends, as DDP does.
+REDUCES_IN_FLIGHT = 2
+
+
 class _Use:
-    """One forward of a unit in grad mode, tracked until its backward is done."""
+    """One forward of a unit in grad mode, tracked until its backward is done.
 
-    __slots__ = ("done", "in_backward")
+    ``before`` is the unit that ran just before it in that forward (None for the first; for
+    the root, which runs around all others, the last): the one its backward is followed by,
+    and so the one to prefetch when its backward starts.
+    """
 
-    def __init__(self) -> None:
+    __slots__ = ("before", "done", "in_backward")
+
+    def __init__(self, before: FlatUnit | None) -> None:
+        self.before = before
         self.in_backward = False
         self.done = False
 
@@ -136,6 +147,10 @@ class FullyShardedDataParallel(nn.Module):
         self._uses: dict[int, list[_Use]] = {u.index: [] for u in units}
         self._pending: list[tuple[FlatUnit, torch.Tensor, Any, torch.Tensor]] = []
         self._callback_queued = False
+        # The nested units in the order the last forward ran them (whose next one to prefetch),
+        # and those of the forward in progress.
+        self._order: list[FlatUnit] = []
+        self._running: list[FlatUnit] = []
         for m in unit_modules:
             unit = self._unit_of_module.get(id(m))
             if unit is not None:
@@ -155,9 +170,13 @@ class FullyShardedDataParallel(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the module, gathering each unit's parameters around its own forward."""
+        self._running = []
         if self._root is not None:
             self._pre_forward(self._root)
+        elif self._order:
+            self._order[0].gather(async_op=True)
         out = self.module(*args, **kwargs)
+        self._order = self._running
         if self._root is not None:
             # The root's parameters are needed first in backward: keep them when one follows.
             keep = torch.is_grad_enabled() or self.stage == 2
@@ -166,10 +185,22 @@ class FullyShardedDataParallel(nn.Module):
         return out
 
     def _pre_forward(self, unit: FlatUnit) -> None:
+        position = len(self._running)
+        if unit is not self._root:
+            self._running.append(unit)
         unit.gather()
+        # Prefetch: the unit that ran next in the last forward starts gathering now, while this
+        # one computes. Every rank runs the same units in the same order (required anyway), so
+        # the collectives still match; a unit that does not come after all is gathered for
+        # nothing and freed at the end of backward.
+        after = position if unit is self._root else position + 1
+        following = self._order[after] if after < len(self._order) else None
+        if following is not None and following is not unit:
+            following.gather(async_op=True)
         leaf = unit.attach(requires_grad=torch.is_grad_enabled())
         if leaf is not None:
-            use = _Use()
+            before = None if unit is self._root else (self._running[-2:-1] or [None])[0]
+            use = _Use(before)
             self._uses[unit.index].append(use)
             leaf.register_post_accumulate_grad_hook(lambda t, u=unit, s=use: self._reduce(u, s, t))
 
@@ -192,16 +223,21 @@ class FullyShardedDataParallel(nn.Module):
             Variable._execution_engine.queue_callback(self._finish_backward)
         if unit is None or use is None:
             return
+        first = not use.in_backward
         use.in_backward = True
-        # Usually gathered already by an earlier output's hook; again after a retain_graph
-        # backward freed it.
+        # Usually gathered already by an earlier output's hook or a prefetch; again after a
+        # retain_graph backward freed it.
         unit.gather()
+        before = use.before if unit is not self._root else (self._order[-1:] or [None])[0]
+        if first and before is not None and before is not unit:
+            before.gather(async_op=True)  # its backward comes next
 
     def _reduce(self, unit: FlatUnit, use: _Use, leaf: torch.Tensor) -> None:
         grad, leaf.grad = leaf.grad, None
         use.done = True
         out, work = unit.reduce_scatter(grad)
         self._pending.append((unit, out, work, grad))
+        self._fold(REDUCES_IN_FLIGHT)
         uses = self._uses[unit.index]
         if use in uses:  # not on a second backward through a retained graph
             uses.remove(use)
@@ -209,17 +245,29 @@ class FullyShardedDataParallel(nn.Module):
         if self.stage == 3 and not any(u.in_backward for u in uses):
             unit.free()
 
-    def _finish_backward(self) -> None:
-        self._callback_queued = False
-        for unit, out, work, _grad in self._pending:
+    def _fold(self, limit: int) -> None:
+        """Add finished reduce-scatters to the shards' ``.grad``, oldest first, and drop their
+        flat gradients; wait for the oldest while more than ``limit`` are running.
+
+        Always in the order they were started, so that a unit reduced twice (called twice in a
+        forward) sums its parts in the same order on every run.
+        """
+        while self._pending:
+            unit, out, work, _grad = self._pending[0]
+            if len(self._pending) <= limit and work is not None and not work.is_completed():
+                return
             if work is not None:
                 work.wait()
+            self._pending.pop(0)
             shard = unit.shard
             if shard.grad is None:
                 shard.grad = out
             else:
                 shard.grad.add_(out)
-        self._pending.clear()
+
+    def _finish_backward(self) -> None:
+        self._callback_queued = False
+        self._fold(0)
         for unit in self.units:
             self._uses[unit.index].clear()
             if self.stage == 3:
