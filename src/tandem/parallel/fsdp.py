@@ -205,7 +205,10 @@ class FullyShardedDataParallel(nn.Module):
             leaf.register_post_accumulate_grad_hook(lambda t, u=unit, s=use: self._reduce(u, s, t))
 
     def _post_forward(self, unit: FlatUnit, out: Any, free: bool = True) -> Any:
-        if self.stage == 3 and free:
+        # The last unit of a forward is the first of its backward: keeping it saves freeing and
+        # gathering it again back to back.
+        last = torch.is_grad_enabled() and self._order[-1:] == [unit]
+        if self.stage == 3 and free and not last:
             unit.free()
         uses = self._uses[unit.index]
         self._hook_outputs(unit if uses and not uses[-1].done else None, out)
@@ -261,7 +264,8 @@ class FullyShardedDataParallel(nn.Module):
             self._pending.pop(0)
             shard = unit.shard
             if shard.grad is None:
-                shard.grad = out
+                # A slice of the whole flat gradient would keep all of it alive: copy it out.
+                shard.grad = out if out._base is None else out.clone()
             else:
                 shard.grad.add_(out)
 
