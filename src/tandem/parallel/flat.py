@@ -118,11 +118,6 @@ class FlatUnit:
             self.split_sizes.append(self.padded - self.numel)
         self.full = torch.empty(self.padded, dtype=dtype, device=device)
         self._gathering: dist.Work | None = None  # a prefetch's all-gather in flight
-        # Gloo's reduce-scatter is slower than its all-reduce of the same flat gradient (2 ranks,
-        # 2 MB: 4.2 ms against 2.7 ms on the development VM), which exists whole here anyway.
-        self._reduce_by_all_reduce = (
-            self.world_size > 1 and dist.get_backend(group) == dist.Backend.GLOO
-        )
         self.free()
         # The shard's version when ``full`` was last filled from it: unchanged means ``full`` is
         # still current (stage 2 keeps it between steps and skips the all-gather).
@@ -207,17 +202,12 @@ class FlatUnit:
         """Start averaging ``flat_grad`` over the ranks into this rank's slice.
 
         Returns the slice's buffer and the work to wait on (None when there was nothing to
-        send); the slice may be a view of ``flat_grad`` (copy it before keeping it).
-        ``flat_grad`` is divided in place first, as DDP does, so that the sum the collective
-        computes is the mean.
+        send; then the slice is ``flat_grad`` itself). ``flat_grad`` is divided in place first,
+        as DDP does, so that the sum the collective computes is the mean.
         """
         if self.world_size == 1:
             return flat_grad, None
         flat_grad.div_(self.world_size)
-        if self._reduce_by_all_reduce:
-            start, end = flat_shard(self.numel, self.world_size, self.rank)
-            work = dist.all_reduce(flat_grad, group=self.group, async_op=True)
-            return flat_grad[start:end], work
         out = torch.empty_like(self.shard)
         work = reduce_scatter_flat(out, flat_grad, group=self.group, async_op=True)
         return out, work

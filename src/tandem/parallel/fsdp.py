@@ -264,8 +264,7 @@ class FullyShardedDataParallel(nn.Module):
             self._pending.pop(0)
             shard = unit.shard
             if shard.grad is None:
-                # A slice of the whole flat gradient would keep all of it alive: copy it out.
-                shard.grad = out if out._base is None else out.clone()
+                shard.grad = out
             else:
                 shard.grad.add_(out)
 
