@@ -317,27 +317,60 @@ class FullyShardedDataParallel(nn.Module):
         return fsdp_state.full_state_dict(self, to)
 
     def load_full_state_dict(self, state: dict[str, Any]) -> None:
-        """Load a plain module's ``state_dict()`` on every rank (any world size saved it)."""
+        """Load a plain module's ``state_dict()`` on every rank (any world size saved it).
+
+        Example::
+
+            model.load_full_state_dict(torch.load("model.pt", weights_only=True))
+        """
         fsdp_state.load_full_state_dict(self, state)
 
     def sharded_state_dict(self) -> dict[str, Any]:
-        """This rank's shards with their layout: one file per rank, same world size to load."""
+        """This rank's shards with their layout: one file per rank, same world size to load.
+
+        Example::
+
+            torch.save(model.sharded_state_dict(), f"ckpt/rank{tandem.world().rank}.pt")
+        """
         return fsdp_state.sharded_state_dict(self)
 
     def load_sharded_state_dict(self, state: dict[str, Any]) -> None:
-        """Load this rank's :meth:`sharded_state_dict` (checked: same world size and units)."""
+        """Load this rank's :meth:`sharded_state_dict` (checked: same world size and units).
+
+        Example::
+
+            rank = tandem.world().rank
+            model.load_sharded_state_dict(torch.load(f"ckpt/rank{rank}.pt", weights_only=True))
+        """
         fsdp_state.load_sharded_state_dict(self, state)
 
     def full_optim_state_dict(
         self, optimizer: torch.optim.Optimizer, to: int = 0
     ) -> dict[str, Any] | None:
-        """``optimizer``'s state as a plain optimizer over the plain module's (a collective)."""
+        """``optimizer``'s state as a plain optimizer over the plain module's (a collective).
+
+        Returns the dict on group rank ``to``, None elsewhere.
+
+        Example::
+
+            full = model.full_optim_state_dict(opt)
+            if tandem.world().is_main:
+                torch.optim.AdamW(plain.parameters()).load_state_dict(full)
+        """
         return fsdp_state.full_optim_state_dict(self, optimizer, to)
 
     def load_full_optim_state_dict(
         self, optimizer: torch.optim.Optimizer, state: dict[str, Any]
     ) -> None:
-        """Load a plain optimizer's state dict into ``optimizer`` (over this wrapper's shards)."""
+        """Load a plain optimizer's state dict into ``optimizer`` (over this wrapper's shards).
+
+        Every rank passes the whole dict and keeps its own slices, whatever world size saved it.
+
+        Example::
+
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            model.load_full_optim_state_dict(opt, torch.load("optim.pt", weights_only=True))
+        """
         fsdp_state.load_full_optim_state_dict(self, optimizer, state)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:

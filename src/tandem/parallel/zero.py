@@ -5,7 +5,8 @@ Each rank builds the inner optimizer over the parameters it owns, so Adam's two 
 once across the group instead of once per rank. One ``step()``:
 
 1. Gradients are already the mean over ranks: the model is wrapped in ``tandem.DDP`` (or the
-   caller all-reduced them). Nothing to do here; stage 2 will reduce-scatter them instead.
+   caller all-reduced them). Nothing to do here; stage 2
+   (``FullyShardedDataParallel(stage=2)``) reduce-scatters them instead.
 2. Each rank steps the inner optimizer on its own parameters, with the hyperparameters of the
    outer ``param_groups`` (so LR schedulers on this optimizer reach the inner one).
 3. Every parameter is broadcast from its owner: per owner and dtype, the owner flattens its
