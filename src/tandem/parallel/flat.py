@@ -108,6 +108,11 @@ class FlatUnit:
             flat = torch.zeros(self.padded, dtype=dtype, device=device)
             for entry, (*_, p) in zip(self.entries, params, strict=True):
                 flat[entry.offset : entry.offset + entry.numel].copy_(p.reshape(-1))
+            if self.world_size > 1:
+                # Rank 0's values everywhere, one unit at a time on ``device``: a model built on
+                # the CPU never has to fit on the device whole.
+                world = group if group is not None else dist.group.WORLD
+                dist.broadcast(flat, src=dist.get_global_rank(world, 0), group=group)
             self.shard = nn.Parameter(flat[start:end].clone())
         del flat
         for entry in self.entries:

@@ -118,7 +118,6 @@ class FullyShardedDataParallel(nn.Module):
         self.rank = dist.get_rank(process_group) if self.world_size > 1 else 0
         wrapper = "tandem.FullyShardedDataParallel"
         verify_same_parameters(module.named_parameters(), process_group, wrapper=wrapper)
-        broadcast_coalesced([*module.parameters(), *module.buffers()], process_group)
         self.state_keys = list(module.state_dict().keys())
         self.param_fqns = [name for name, _ in module.named_parameters()]
         first_name: dict[int, str] = {}
@@ -139,6 +138,11 @@ class FullyShardedDataParallel(nn.Module):
             units.append(unit)
             self._unit_of_module[id(m)] = unit
         self.units = units
+        # What stays replicated (buffers, frozen parameters) moves whole and takes rank 0's
+        # values; the trainable parameters were broadcast unit by unit above.
+        if device is not None:
+            module.to(device)
+        broadcast_coalesced([*module.parameters(), *module.buffers()], process_group)
         flattened = {e.fqn for u in units for e in u.entries}
         # Every state_dict key of a flattened parameter (tied ones have several) -> its fqn.
         self.key_fqn = {key: fqn for fqn, key, _ in names if fqn in flattened}
