@@ -101,32 +101,38 @@ class FlatUnit:
             offset += p.numel()
         self.numel = offset
         self.padded = padded_numel(self.numel, self.world_size)
-        start, end = flat_shard(self.numel, self.world_size, self.rank)
-        dtype = dtypes.pop()
-        # Built one unit at a time, so the extra memory is one unit's parameters.
+        # This rank's slice of the flat buffer: the one sharding rule, asked once.
+        self.own = slice(*flat_shard(self.numel, self.world_size, self.rank))
+        self.split_sizes = [e.numel for e in self.entries]
+        if self.padded > self.numel:
+            self.split_sizes.append(self.padded - self.numel)
         with torch.no_grad():
-            flat = torch.zeros(self.padded, dtype=dtype, device=device)
-            for entry, (*_, p) in zip(self.entries, params, strict=True):
-                flat[entry.offset : entry.offset + entry.numel].copy_(p.reshape(-1))
+            flat = self._flatten({fqn: p for fqn, _, p in params}, dtypes.pop(), device)
             if self.world_size > 1:
                 # Rank 0's values everywhere, one unit at a time on ``device``: a model built on
                 # the CPU never has to fit on the device whole.
                 world = group if group is not None else dist.group.WORLD
                 dist.broadcast(flat, src=dist.get_global_rank(world, 0), group=group)
-            self.shard = nn.Parameter(flat[start:end].clone())
-        del flat
+            self.shard = nn.Parameter(flat[self.own].clone())
         for entry in self.entries:
             for module, name in entry.locations:
                 del module._parameters[name]
-        self.split_sizes = [e.numel for e in self.entries]
-        if self.padded > self.numel:
-            self.split_sizes.append(self.padded - self.numel)
-        self.full = torch.empty(self.padded, dtype=dtype, device=device)
+        # The broadcast buffer already holds every rank's values: it is the first gathered
+        # ``full``, so construction needs no all-gather.
+        self.full = flat
         self._gathering: dist.Work | None = None  # a prefetch's all-gather in flight
-        self.free()
         # The shard's version when ``full`` was last filled from it: unchanged means ``full`` is
         # still current (stage 2 keeps it between steps and skips the all-gather).
-        self._gathered_version: int | None = None
+        self._gathered_version: int | None = self.shard._version
+
+    def _flatten(
+        self, values: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device | None
+    ) -> torch.Tensor:
+        """One padded flat buffer from full-size ``values`` by fqn, in the unit's layout."""
+        flat = torch.zeros(self.padded, dtype=dtype, device=device)
+        for e in self.entries:
+            flat[e.offset : e.offset + e.numel].copy_(values[e.fqn].reshape(-1))
+        return flat
 
     # -- the gathered buffer -------------------------------------------------------------------
 
@@ -196,9 +202,8 @@ class FlatUnit:
 
     def writeback(self) -> None:
         """Copy this rank's slice of ``full`` into the shard (after the caller edited views)."""
-        start, end = flat_shard(self.numel, self.world_size, self.rank)
         with torch.no_grad():
-            self.shard.copy_(self.full[start:end])
+            self.shard.copy_(self.full[self.own])
         self._gathered_version = self.shard._version
 
     # -- gradients -----------------------------------------------------------------------------
@@ -224,9 +229,5 @@ class FlatUnit:
     def shard_of(
         self, values: dict[str, torch.Tensor], dtype: torch.dtype | None = None
     ) -> torch.Tensor:
-        """This rank's slice of the flat buffer built from full-size ``values`` by fqn."""
-        start, end = flat_shard(self.numel, self.world_size, self.rank)
-        flat = torch.zeros(self.padded, dtype=dtype or self.shard.dtype)
-        for e in self.entries:
-            flat[e.offset : e.offset + e.numel].copy_(values[e.fqn].reshape(-1))
-        return flat[start:end]
+        """This rank's slice of the flat buffer built from full-size ``values`` by fqn (CPU)."""
+        return self._flatten(values, dtype or self.shard.dtype, None)[self.own]

@@ -59,12 +59,11 @@ class _Use:
     and so the one to prefetch when its backward starts.
     """
 
-    __slots__ = ("before", "done", "in_backward")
+    __slots__ = ("before", "in_backward")
 
     def __init__(self, before: FlatUnit | None) -> None:
         self.before = before
         self.in_backward = False
-        self.done = False
 
 
 class FullyShardedDataParallel(nn.Module):
@@ -128,7 +127,7 @@ class FullyShardedDataParallel(nn.Module):
         unit_modules = [m for m in module.modules() if m is not module and predicate(m)]
         owner = _assign(module, unit_modules)
         units: list[FlatUnit] = []
-        self._unit_of_module: dict[int, FlatUnit] = {}
+        unit_of_module: dict[int, FlatUnit] = {}
         for m in [*unit_modules, module]:
             params = owner.get(id(m), [])
             if not params:
@@ -136,7 +135,7 @@ class FullyShardedDataParallel(nn.Module):
             target = torch.device(device) if device is not None else params[0][2].device
             unit = FlatUnit(len(units), params, process_group, target)
             units.append(unit)
-            self._unit_of_module[id(m)] = unit
+            unit_of_module[id(m)] = unit
         self.units = units
         # What stays replicated (buffers, frozen parameters) moves whole and takes rank 0's
         # values; the trainable parameters were broadcast unit by unit above.
@@ -147,7 +146,7 @@ class FullyShardedDataParallel(nn.Module):
         # Every state_dict key of a flattened parameter (tied ones have several) -> its fqn.
         self.key_fqn = {key: fqn for fqn, key, _ in names if fqn in flattened}
         self.flat_params = nn.ParameterList([u.shard for u in units])
-        self._root = self._unit_of_module.get(id(module))
+        self._root = unit_of_module.get(id(module))
         self._uses: dict[int, list[_Use]] = {u.index: [] for u in units}
         self._pending: list[tuple[FlatUnit, torch.Tensor, Any, torch.Tensor]] = []
         self._callback_queued = False
@@ -156,12 +155,11 @@ class FullyShardedDataParallel(nn.Module):
         self._order: list[FlatUnit] = []
         self._running: list[FlatUnit] = []
         for m in unit_modules:
-            unit = self._unit_of_module.get(id(m))
+            unit = unit_of_module.get(id(m))
             if unit is not None:
                 m.register_forward_pre_hook(lambda _m, _a, u=unit: self._pre_forward(u))
                 m.register_forward_hook(lambda _m, _a, out, u=unit: self._post_forward(u, out))
-        for unit in units:
-            unit.gather()
+        for unit in units:  # gathered since construction
             unit.attach(requires_grad=False)
             if stage == 3:
                 unit.free()
@@ -203,8 +201,8 @@ class FullyShardedDataParallel(nn.Module):
             following.gather(async_op=True)
         leaf = unit.attach(requires_grad=torch.is_grad_enabled())
         if leaf is not None:
-            before = None if unit is self._root else (self._running[-2:-1] or [None])[0]
-            use = _Use(before)
+            nested = unit is not self._root and len(self._running) > 1
+            use = _Use(self._running[-2] if nested else None)
             self._uses[unit.index].append(use)
             leaf.register_post_accumulate_grad_hook(lambda t, u=unit, s=use: self._reduce(u, s, t))
 
@@ -214,8 +212,8 @@ class FullyShardedDataParallel(nn.Module):
         last = torch.is_grad_enabled() and self._order[-1:] == [unit]
         if self.stage == 3 and free and not last:
             unit.free()
-        uses = self._uses[unit.index]
-        self._hook_outputs(unit if uses and not uses[-1].done else None, out)
+        # Outputs need grad only when this forward made a use (grad mode): hooks go on those.
+        self._hook_outputs(unit if self._uses[unit.index] else None, out)
         return out
 
     def _hook_outputs(self, unit: FlatUnit | None, out: Any) -> None:
@@ -235,13 +233,14 @@ class FullyShardedDataParallel(nn.Module):
         # Usually gathered already by an earlier output's hook or a prefetch; again after a
         # retain_graph backward freed it.
         unit.gather()
-        before = use.before if unit is not self._root else (self._order[-1:] or [None])[0]
+        before = use.before
+        if unit is self._root and self._order:
+            before = self._order[-1]
         if first and before is not None and before is not unit:
             before.gather(async_op=True)  # its backward comes next
 
     def _reduce(self, unit: FlatUnit, use: _Use, leaf: torch.Tensor) -> None:
         grad, leaf.grad = leaf.grad, None
-        use.done = True
         out, work = unit.reduce_scatter(grad)
         self._pending.append((unit, out, work, grad))
         self._fold(REDUCES_IN_FLIGHT)

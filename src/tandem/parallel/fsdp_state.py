@@ -33,13 +33,13 @@ if TYPE_CHECKING:
 SHARDED_FORMAT = "tandem.fsdp.sharded/1"
 
 
-def _gathered_values(model: FullyShardedDataParallel, to: int | None) -> dict[str, torch.Tensor]:
-    """``{fqn: CPU tensor}`` of every flattened parameter on rank ``to`` (every rank if None)."""
+def _gathered_values(model: FullyShardedDataParallel, to: int) -> dict[str, torch.Tensor]:
+    """``{fqn: CPU tensor}`` of every flattened parameter on rank ``to`` (empty elsewhere)."""
     values: dict[str, torch.Tensor] = {}
     for unit in model.units:
         was_current = unit.is_current
         unit.gather()
-        if to is None or model.rank == to:
+        if model.rank == to:
             values.update({k: v.detach().cpu().clone() for k, v in unit.full_values().items()})
         if model.stage == 3 and not was_current:
             unit.free()
@@ -62,8 +62,9 @@ def full_state_dict(model: FullyShardedDataParallel, to: int = 0) -> dict[str, A
 
 def load_full_state_dict(model: FullyShardedDataParallel, state: dict[str, Any]) -> None:
     """Load a plain module's ``state_dict()`` on every rank, whatever world size saved it."""
+    known = set(model.state_keys)
     missing = [k for k in model.state_keys if k not in state]
-    unexpected = [k for k in state if k not in set(model.state_keys)]
+    unexpected = [k for k in state if k not in known]
     if missing or unexpected:
         raise ValueError(
             f"state dict does not match the wrapped module: missing keys {missing}, unexpected "
@@ -127,12 +128,24 @@ def load_sharded_state_dict(model: FullyShardedDataParallel, state: dict[str, An
 # -- optimizer ---------------------------------------------------------------------------------
 
 
-def _plain_names(model: FullyShardedDataParallel) -> dict[int, list[str]]:
-    """For each wrapper parameter (by id), the fqns of the original parameters it stands for."""
-    names: dict[int, list[str]] = {id(u.shard): [e.fqn for e in u.entries] for u in model.units}
-    for fqn, p in model.module.named_parameters():
-        names[id(p)] = [fqn]
-    return names
+class _PlainIndex:
+    """How the wrapper's parameters map onto a plain optimizer's over the plain module.
+
+    ``index[fqn]`` is the plain parameter's position (its id in a plain optimizer's state
+    dict), ``names[id(p)]`` the fqns a wrapper parameter stands for (a shard: its unit's;
+    a frozen parameter: itself), ``units[id(p)]`` the unit of a shard.
+    """
+
+    def __init__(self, model: FullyShardedDataParallel) -> None:
+        self.index = {fqn: i for i, fqn in enumerate(model.param_fqns)}
+        self.names = {id(u.shard): [e.fqn for e in u.entries] for u in model.units}
+        for fqn, p in model.module.named_parameters():
+            self.names[id(p)] = [fqn]
+        self.units = {id(u.shard): u for u in model.units}
+
+    def group_ids(self, group: dict[str, Any]) -> list[int]:
+        """The plain parameter ids an optimizer group over wrapper parameters stands for."""
+        return sorted(self.index[n] for p in group["params"] for n in self.names[id(p)])
 
 
 def _elementwise(key: str, values: list[Any], unit: FlatUnit) -> bool:
@@ -158,9 +171,9 @@ def full_optim_state_dict(
     """
     if not 0 <= to < model.world_size:
         raise ValueError(f"to={to} not in [0, {model.world_size})")
-    index = {fqn: i for i, fqn in enumerate(model.param_fqns)}
-    names = _plain_names(model)
-    units = {id(u.shard): u for u in model.units}
+    plain = _PlainIndex(model)
+    index, names, units = plain.index, plain.names, plain.units
+    keep = model.rank == to  # the others only join the all-gathers
     saved = optimizer.state_dict()
     params = [p for g in optimizer.param_groups for p in g["params"]]
     keys = sorted(
@@ -179,7 +192,7 @@ def full_optim_state_dict(
         own = saved["state"].get(i, {})
         unit = units.get(id(p))
         if unit is None:
-            if own:
+            if own and keep:
                 state[index[names[id(p)][0]]] = {k: _cpu(v) for k, v in own.items()}
             continue
         per_entry: list[dict[str, Any]] = [{} for _ in unit.entries]
@@ -191,20 +204,22 @@ def full_optim_state_dict(
                     all_gather_flat(full, value.contiguous(), group=model.process_group)
                 else:
                     full.copy_(value)
-                for slot, e in zip(per_entry, unit.entries, strict=True):
-                    slot[key] = full[e.offset : e.offset + e.numel].view(e.shape).cpu().clone()
-            else:
+                if keep:
+                    for slot, e in zip(per_entry, unit.entries, strict=True):
+                        piece = full[e.offset : e.offset + e.numel].view(e.shape)
+                        slot[key] = piece.cpu().clone()
+            elif keep:
                 for slot in per_entry:
                     slot[key] = _cpu(value)
-        if own:
+        if own and keep:
             for slot, e in zip(per_entry, unit.entries, strict=True):
                 state[index[e.fqn]] = slot
-    if model.rank != to:
+    if not keep:
         return None
     groups = []
     for g, group in zip(saved["param_groups"], optimizer.param_groups, strict=True):
-        ids = sorted(index[n] for p in group["params"] for n in names[id(p)])
-        groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": ids})
+        hyper = {k: v for k, v in g.items() if k != "params"}
+        groups.append({**hyper, "params": plain.group_ids(group)})
     return {"state": dict(sorted(state.items())), "param_groups": groups}
 
 
@@ -212,9 +227,7 @@ def load_full_optim_state_dict(
     model: FullyShardedDataParallel, optimizer: torch.optim.Optimizer, state: dict[str, Any]
 ) -> None:
     """Load a plain optimizer's state dict (see :func:`full_optim_state_dict`) on every rank."""
-    index = {fqn: i for i, fqn in enumerate(model.param_fqns)}
-    names = _plain_names(model)
-    units = {id(u.shard): u for u in model.units}
+    plain = _PlainIndex(model)
     saved_groups = state["param_groups"]
     if len(saved_groups) != len(optimizer.param_groups):
         raise ValueError(
@@ -225,7 +238,7 @@ def load_full_optim_state_dict(
     inner_groups = []
     j = 0
     for saved, group in zip(saved_groups, optimizer.param_groups, strict=True):
-        expected = sorted(index[n] for p in group["params"] for n in names[id(p)])
+        expected = plain.group_ids(group)
         if sorted(saved["params"]) != expected:
             raise ValueError(
                 f"optimizer state group with parameters {sorted(saved['params'])} does not "
@@ -233,8 +246,8 @@ def load_full_optim_state_dict(
             )
         ids = []
         for p in group["params"]:
-            unit = units.get(id(p))
-            entries = [state["state"].get(index[n]) for n in names[id(p)]]
+            unit = plain.units.get(id(p))
+            entries = [state["state"].get(plain.index[n]) for n in plain.names[id(p)]]
             if unit is None:
                 if entries[0] is not None:
                     inner_state[j] = entries[0]

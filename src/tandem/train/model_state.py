@@ -34,8 +34,16 @@ from tandem.parallel.zero import ShardedOptimizer
 FORMATS = ("full", "sharded")
 
 
-def check_format(model: nn.Module, optimizer: torch.optim.Optimizer, fmt: str) -> None:
-    """Raise ValueError unless ``fmt`` is a checkpoint format this set-up can write."""
+def check_set_up(
+    model: nn.Module, optimizer: torch.optim.Optimizer, fmt: str, scaler: Any = None
+) -> None:
+    """Raise ValueError unless this set-up can train and write checkpoints in format ``fmt``."""
+    if isinstance(model, FullyShardedDataParallel) and scaler is not None:
+        raise ValueError(
+            "scaler with a FullyShardedDataParallel model: a GradScaler sees only this "
+            "rank's gradient shards, so ranks could disagree on skipping a step; train "
+            "in bfloat16 autocast without a scaler, or with tandem.DDP"
+        )
     if fmt not in FORMATS:
         raise ValueError(f"checkpoint_format must be 'full' or 'sharded', not {fmt!r}")
     sharded = isinstance(model, FullyShardedDataParallel) or isinstance(optimizer, ShardedOptimizer)

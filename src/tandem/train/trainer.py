@@ -35,7 +35,7 @@ from tandem.train.collective import wait_for_all
 from tandem.train.evaluation import evaluate
 from tandem.train.loaders import make_loaders
 from tandem.train.metrics_log import Summary, epoch_line, plot_metrics, write_metrics
-from tandem.train.model_state import check_format
+from tandem.train.model_state import check_set_up
 from tandem.train.progress import Progress
 from tandem.train.requests import Agreement, Requests
 from tandem.train.rng import restore_rng_state
@@ -168,14 +168,7 @@ class Trainer:
             raise ValueError(
                 f"scheduler_interval must be 'epoch' or 'step', not {scheduler_interval!r}"
             )
-        check_format(model, optimizer, checkpoint_format)
-        fsdp = isinstance(model, FullyShardedDataParallel)
-        if fsdp and scaler is not None:
-            raise ValueError(
-                "scaler with a FullyShardedDataParallel model: a GradScaler sees only this "
-                "rank's gradient shards, so ranks could disagree on skipping a step; train "
-                "in bfloat16 autocast without a scaler, or with tandem.DDP"
-            )
+        check_set_up(model, optimizer, checkpoint_format, scaler)
         if eval_data is not None and len(eval_data) == 0:
             raise ValueError("eval_data is empty (len 0): there is nothing to evaluate")
 
@@ -229,7 +222,7 @@ class Trainer:
         # After loading: tandem.DDP broadcasts rank 0's parameters, which are the loaded ones.
         # A sharded model already averages its gradients.
         self.model: nn.Module = self.module
-        if self.world.world_size > 1 and not fsdp:
+        if self.world.world_size > 1 and not isinstance(model, FullyShardedDataParallel):
             self.model = DistributedDataParallel(self.module, **(ddp_kwargs or {}))
 
     def train(self, max_epochs: int | None = None) -> Summary:
