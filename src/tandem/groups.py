@@ -248,7 +248,9 @@ def _create(groups: list[list[int]], w: World, backend: str | None) -> GroupInfo
     """Create every group of the layout, in order, and return the record of ``w.rank``'s."""
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()):
+    from tandem._dist import group_rank, group_size, initialized
+
+    if not initialized():
         if w.world_size > 1:
             # group=None would silently mean "the whole job" to torch's collectives.
             raise RuntimeError(
@@ -256,10 +258,10 @@ def _create(groups: list[list[int]], w: World, backend: str | None) -> GroupInfo
                 "process group to split; call tandem.init() first"
             )
         return find_group(groups, w.rank)
-    if (w.rank, w.world_size) != (dist.get_rank(), dist.get_world_size()):
+    if (w.rank, w.world_size) != (group_rank(), group_size()):
         raise ValueError(
             f"world says rank {w.rank} of {w.world_size}, but the process group says rank "
-            f"{dist.get_rank()} of {dist.get_world_size()}; leave world out to use the group's"
+            f"{group_rank()} of {group_size()}; leave world out to use the group's"
         )
     # new_group is collective over the default group: a rank that skipped the groups it is not
     # in would leave the members waiting for it, so every rank creates all of them.

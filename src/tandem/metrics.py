@@ -37,6 +37,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from tandem._dist import backend_device, gather_objects, group_size
+
 Number = int | float | torch.Tensor
 
 __all__ = ["Accuracy", "Mean", "accuracy", "gather_in_order", "reduce_mean", "reduce_sum"]
@@ -46,35 +48,13 @@ __all__ = ["Accuracy", "Mean", "accuracy", "gather_in_order", "reduce_mean", "re
 # Collectives, skipped with one process
 
 
-def _world_size(group: ProcessGroup | None) -> int:
-    if not (dist.is_available() and dist.is_initialized()):
-        return 1
-    return dist.get_world_size(group)
-
-
-def _comm_device(group: ProcessGroup | None) -> torch.device:
-    # NCCL only moves CUDA tensors; Gloo and MPI take CPU ones.
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def _all_reduce_sum(values: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """Element-wise sum over ranks of a small CPU tensor; the tensor itself with one process."""
-    if _world_size(group) == 1:
+    if group_size(group) == 1:
         return values
-    moved = values.to(_comm_device(group))
+    moved = values.to(backend_device(group))
     dist.all_reduce(moved, group=group)
     return moved.cpu()
-
-
-def _all_gather_object(obj: Any, group: ProcessGroup | None) -> list[Any]:
-    """Every rank's ``obj``, in rank order; ``[obj]`` with one process."""
-    if _world_size(group) == 1:
-        return [obj]
-    out: list[Any] = [None] * _world_size(group)
-    dist.all_gather_object(out, obj, group=group)
-    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -313,7 +293,7 @@ def gather_in_order(
         part = _Part(local_indices, len(values), None, list(values))
 
     # Step 1
-    parts = _all_gather_object(part, group)
+    parts = gather_objects(part, group)
     # Step 2
     layout = _check(parts, len(dataset) if dataset is not None else None)
     all_indices = [i for p in parts for i in p.indices]
@@ -377,11 +357,11 @@ def _all_gather_rows(
     group: ProcessGroup | None,
 ) -> torch.Tensor:
     """Concatenate every rank's rows in rank order, through one padded all_gather."""
-    if layout is None or _world_size(group) == 1:
+    if layout is None or group_size(group) == 1:
         return values  # no rank has a row (nothing to send), or this rank's rows are all rows
     dtype, row_shape = layout
     longest = max(counts)
-    device = _comm_device(group)
+    device = backend_device(group)
     # Gloo has no bool all_gather: bools travel as bytes.
     wire = torch.uint8 if dtype == torch.bool else dtype
     padded = torch.zeros((longest, *row_shape), dtype=wire, device=device)

@@ -231,9 +231,9 @@ def _meet_before_teardown(dist: Any) -> None:
 
 
 def _group_exists() -> bool:
-    import torch.distributed as dist
+    from tandem._dist import initialized
 
-    return dist.is_available() and dist.is_initialized()
+    return initialized()
 
 
 def _from_group(placement: Placement) -> World:

@@ -13,8 +13,7 @@ docstring's layout; a non-permutation order or a non-positive cap raises ValueEr
 
 For build_buckets: each view has its parameter's shape, lies inside the bucket's flat buffer at
 the running offset (writing a view changes exactly that slice of flat, and the reverse), flat
-starts zeroed with the dtype of its parameters, ``extra_last`` lengthens only the last bucket, and
-``Bucket.buffer`` is the gradients' part of flat without the extra elements.
+starts zeroed with the dtype of its parameters.
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tandem.parallel.buckets import Bucket, assign_buckets, build_buckets
+from tandem.parallel.buckets import assign_buckets, build_buckets
 
 KEYS = ("f32", "f16", "bf16")
 
@@ -192,8 +191,7 @@ def test_views_have_the_shapes_and_offsets_of_their_parameters():
     assert [b.index for b in buckets] == [0, 1, 2]
     assert [b.params for b in buckets] == LAYOUT
     for bucket, indices in zip(buckets, LAYOUT, strict=True):
-        assert bucket.numel == sum(params[i].numel() for i in indices)
-        assert bucket.flat.numel() == bucket.numel
+        assert bucket.flat.numel() == sum(params[i].numel() for i in indices)
         assert bucket.flat.dtype == params[indices[0]].dtype
         assert not bucket.flat.any(), "a new bucket must start zeroed"
         assert [tuple(v.shape) for v in bucket.views] == [tuple(params[i].shape) for i in indices]
@@ -208,7 +206,7 @@ def test_views_have_the_shapes_and_offsets_of_their_parameters():
         assert torch.equal(bucket.flat, expected)
 
         # And the reverse: the views read what is written into flat.
-        bucket.flat.copy_(torch.arange(bucket.numel, dtype=bucket.flat.dtype))
+        bucket.flat.copy_(torch.arange(bucket.flat.numel(), dtype=bucket.flat.dtype))
         offset = 0
         for view, i in zip(bucket.views, indices, strict=True):
             n = params[i].numel()
@@ -221,31 +219,3 @@ def test_parameters_are_not_copied_or_touched():
     before = [p.clone() for p in params]
     build_buckets(LAYOUT, params)
     assert all(torch.equal(p, b) for p, b in zip(params, before, strict=True))
-
-
-@pytest.mark.parametrize("layout", [LAYOUT, [[0, 1, 2, 4]]])
-def test_extra_elements_go_to_the_last_bucket_only(layout):
-    params = _params()
-    buckets = build_buckets(layout, params, extra_last=1)
-    *others, last = buckets
-    for bucket in others:
-        assert bucket.flat.numel() == bucket.numel
-        assert bucket.buffer is bucket.flat
-    assert last.flat.numel() == last.numel + 1
-    assert not last.flat.any()
-
-    buffer = last.buffer
-    assert buffer.numel() == last.numel
-    # The buffer is the front of flat (a view, not a copy) and leaves the extra element out.
-    buffer.fill_(7)
-    assert torch.equal(last.flat[: last.numel], torch.full((last.numel,), 7.0))
-    assert last.flat[-1] == 0
-    last.flat[-1] = 3
-    assert not (buffer == 3).any()
-    for view in last.views:
-        assert (view == 7).all()
-
-
-def test_bucket_buffer_without_extra_is_flat():
-    bucket = Bucket(0, [0], torch.zeros(3), [torch.zeros(3)], 3)
-    assert bucket.buffer is bucket.flat

@@ -6,10 +6,12 @@ signature is the same, and otherwise describes the first differing parameter: it
 index, rank 0's entry and the entry of every rank that differs from it (and no other rank),
 for a different shape, name, dtype or requires_grad, and "no such parameter" with every rank's
 parameter count when one rank has an extra parameter; on random signatures the reported index
-and ranks are the first differing index and exactly the ranks that differ there. ``_chunks``
-cuts chunks in input order, closes one exactly once it holds CHUNK_BYTES (checked against a
-small CHUNK_BYTES), and places every tensor at an offset aligned to its element size, since
-chunks mix dtypes as raw bytes.
+and ranks are the first differing index and exactly the ranks that differ there. Buffers get the
+same report in their own words: ``buffer_signature`` lists (name, shape, dtype), and
+``first_difference(..., "buffer")`` names a buffer, "no such buffer" and the buffer counts.
+``_chunks`` cuts chunks in input order, closes one exactly once it holds CHUNK_BYTES (checked
+against a small CHUNK_BYTES), and places every tensor at an offset aligned to its element size,
+since chunks mix dtypes as raw bytes.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from tandem.parallel import replicas
-from tandem.parallel.replicas import first_difference, signature
+from tandem.parallel.replicas import buffer_signature, first_difference, signature
 
 F32 = "torch.float32"
 W = ("w", (2, 3), F32, True)
@@ -102,6 +104,24 @@ def test_extra_parameter_on_rank_0():
     assert "rank 1 has no such parameter" in message
     assert "rank 2 has" not in message
     assert "(parameter counts: rank 0: 3, rank 1: 2, rank 2: 3)" in message
+
+
+def test_buffer_signature_and_wording():
+    model = nn.Sequential(nn.Linear(2, 3), nn.BatchNorm1d(3))
+    buffers = buffer_signature(model.named_buffers())
+    assert buffers == [
+        ("1.running_mean", (3,), F32),
+        ("1.running_var", (3,), F32),
+        ("1.num_batches_tracked", (), "torch.int64"),
+    ]
+    wider = buffer_signature(nn.Sequential(nn.Linear(2, 3), nn.BatchNorm1d(4)).named_buffers())
+    assert first_difference([buffers, wider], "buffer") == (
+        "buffer '1.running_mean' (#0) differs: rank 0 has '1.running_mean' of shape (3,) "
+        "torch.float32, rank 1 has '1.running_mean' of shape (4,) torch.float32"
+    )
+    message = first_difference([buffers, buffers[:2]], "buffer")
+    assert message.startswith("buffer '1.num_batches_tracked' (#2) differs")
+    assert "rank 1 has no such buffer (buffer counts: rank 0: 3, rank 1: 2)" in message
 
 
 ENTRIES = st.tuples(

@@ -28,6 +28,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
+from tandem._dist import initialized
 from tandem.data.batch_codec import (
     Header,
     decode,
@@ -338,10 +339,11 @@ def _length(loader: Iterable) -> int | None:
 
 def _members(group: dist.ProcessGroup | None) -> tuple[list[int], int]:
     """The group's global ranks and this rank; ``([0], 0)`` without a process group."""
-    if not dist.is_available() or not dist.is_initialized():
+    if not initialized():
         if group is not None:
             raise ValueError("a group was given but no process group is initialized")
         return [0], 0
+    # Not tandem._dist.global_ranks: a rank outside the group must still see who is in it.
     ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
     rank = dist.get_rank()
     if rank not in ranks:
@@ -353,6 +355,6 @@ def _members(group: dist.ProcessGroup | None) -> tuple[list[int], int]:
 
 
 def _default_device(group: dist.ProcessGroup | None) -> torch.device:
-    if dist.is_available() and dist.is_initialized() and dist.get_backend(group) == "nccl":
+    if initialized() and dist.get_backend(group) == "nccl":
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
     return torch.device("cpu")

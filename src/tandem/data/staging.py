@@ -137,10 +137,10 @@ def _agree(src: Path, group: Any, failed: bool) -> None:
     import torch
     import torch.distributed as dist
 
-    backend = dist.get_backend(group)
-    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else "cpu"
-    flags = torch.zeros(dist.get_world_size(group), dtype=torch.int32, device=device)
-    flags[dist.get_rank(group)] = int(failed)
+    from tandem._dist import backend_device, group_rank, group_size
+
+    flags = torch.zeros(group_size(group), dtype=torch.int32, device=backend_device(group))
+    flags[group_rank(group)] = int(failed)
     dist.all_reduce(flags, group=group)
     failed_ranks = flags.nonzero().flatten().tolist()
     if failed_ranks and not failed:

@@ -83,40 +83,27 @@ def assign_buckets(
 
 @dataclass(eq=False)
 class Bucket:
-    """One bucket at run time: its flat buffer and a view of it per parameter.
-
-    ``flat`` may hold one element more than the gradients (``extra``): the reducer keeps a
-    health flag there, so that a rank's missing gradients are known to every rank through the
-    same all-reduce, at no extra collective.
-    """
+    """One bucket at run time: its flat buffer, a view of it per parameter, and how many of its
+    gradients are still to come in the current backward."""
 
     index: int
     params: list[int]
     flat: torch.Tensor
     views: list[torch.Tensor]
-    numel: int
     pending: int = field(default=0)
 
-    @property
-    def buffer(self) -> torch.Tensor:
-        """The gradients' part of ``flat`` (what a communication hook sees)."""
-        return self.flat if self.flat.numel() == self.numel else self.flat[: self.numel]
 
-
-def build_buckets(
-    layout: Sequence[Sequence[int]], params: Sequence[torch.Tensor], extra_last: int = 0
-) -> list[Bucket]:
+def build_buckets(layout: Sequence[Sequence[int]], params: Sequence[torch.Tensor]) -> list[Bucket]:
     """Allocate a zeroed flat buffer per bucket and carve one view per parameter out of it."""
     buckets = []
     for b, indices in enumerate(layout):
         first = params[indices[0]]
         numel = sum(params[i].numel() for i in indices)
-        extra = extra_last if b == len(layout) - 1 else 0
-        flat = torch.zeros(numel + extra, dtype=first.dtype, device=first.device)
+        flat = torch.zeros(numel, dtype=first.dtype, device=first.device)
         views, offset = [], 0
         for i in indices:
             n = params[i].numel()
             views.append(flat[offset : offset + n].view(params[i].shape))
             offset += n
-        buckets.append(Bucket(b, list(indices), flat, views, numel))
+        buckets.append(Bucket(b, list(indices), flat, views))
     return buckets

@@ -25,6 +25,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tandem._dist import group_size
+
 CommHook = Callable[[Any, "GradBucket"], torch.futures.Future]
 
 
@@ -75,8 +77,14 @@ class GradBucket:
         return self._is_last
 
     def set_buffer(self, tensor: torch.Tensor) -> None:
-        """Replace the buffer's contents (torch's GradBucket API)."""
-        self._buffer.copy_(tensor)
+        """Make ``tensor`` this bucket's buffer, as torch's ``GradBucket.set_buffer`` does.
+
+        The buffer is replaced, not written into: after ``set_buffer(buf.half())``,
+        ``buffer()`` is that float16 tensor, so a hook wrapped by ``fp16_compress_wrapper``
+        divides and sums in float16, as it does under torch's DDP. The reducer copies the
+        future's result back into the gradients whatever its dtype.
+        """
+        self._buffer = tensor
 
 
 def completed(tensor: torch.Tensor) -> torch.futures.Future:
@@ -84,13 +92,6 @@ def completed(tensor: torch.Tensor) -> torch.futures.Future:
     fut: torch.futures.Future = torch.futures.Future()
     fut.set_result(tensor)
     return fut
-
-
-def group_size(group: dist.ProcessGroup | None) -> int:
-    """Ranks in ``group`` (the world when None); 1 when no process group exists."""
-    if not dist.is_available() or not dist.is_initialized():
-        return 1
-    return dist.get_world_size(group)
 
 
 # The built-in hooks leave ``bucket`` unannotated on purpose: torch's DDP rejects a hook whose

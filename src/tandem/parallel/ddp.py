@@ -23,9 +23,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tandem.parallel.comm_hooks import CommHook, group_size
-from tandem.parallel.reducer import FIRST_BUCKET_MB, Reducer
-from tandem.parallel.replicas import broadcast_coalesced, verify_same_parameters
+from tandem._dist import group_size, require_process_group
+from tandem._tree import map_tensors
+from tandem.parallel.comm_hooks import CommHook
+from tandem.parallel.reducer import Reducer
+from tandem.parallel.replicas import broadcast_coalesced, check_device_ids, verify_same_model
 
 
 class DistributedDataParallel(nn.Module):
@@ -39,14 +41,21 @@ class DistributedDataParallel(nn.Module):
         dim: accepted for compatibility (the batch dimension is the user's to split).
         broadcast_buffers: broadcast rank 0's buffers before every forward in grad mode.
         process_group: the group to average over (default: the whole world).
-        bucket_cap_mb: gradients are reduced in buckets of about this many MiB.
+        bucket_cap_mb: gradients are reduced in buckets of about this many MiB (default 25,
+            with a first bucket of 1 MiB so that communication starts early; an explicit
+            value applies to every bucket, as in torch).
         find_unused_parameters: detect, every iteration, the parameters the outputs do not
             depend on, so that backward never waits for their gradients.
         gradient_as_bucket_view: ``.grad`` tensors are views into the bucket buffers: no copy
             in or out, and less memory.
+        static_graph: the graph is the same every iteration (torch's meaning): the first
+            backward counts how often each parameter's gradient hook fires, which allows a
+            parameter used several times per backward (reentrant activation checkpointing)
+            and parameters that never get a gradient.
         comm_hook: ``hook(state, bucket) -> Future``; see ``tandem.parallel.comm_hooks``.
+            torch's hooks (``torch.distributed.algorithms.ddp_comm_hooks``) work unchanged.
         comm_state: the ``state`` passed to ``comm_hook`` (default: ``process_group``).
-        first_bucket_cap_mb: cap of the first bucket, small so that communication starts early.
+        first_bucket_cap_mb: cap of the first rebuilt bucket, overriding torch's rule.
 
     Example::
 
@@ -67,19 +76,19 @@ class DistributedDataParallel(nn.Module):
         dim: int = 0,
         broadcast_buffers: bool = True,
         process_group: dist.ProcessGroup | None = None,
-        bucket_cap_mb: float | None = 25.0,
+        bucket_cap_mb: float | None = None,
         find_unused_parameters: bool = False,
         gradient_as_bucket_view: bool = False,
+        static_graph: bool = False,
         comm_hook: CommHook | None = None,
         comm_state: Any = None,
-        first_bucket_cap_mb: float = FIRST_BUCKET_MB,
+        first_bucket_cap_mb: float | None = None,
     ) -> None:
         super().__init__()
-        if device_ids is not None and len(device_ids) != 1:
-            raise ValueError(
-                f"device_ids={list(device_ids)}: tandem.DDP drives one device per process; "
-                "pass device_ids=[local_rank] (or None) and start one process per device"
-            )
+        # 1. Mistakes first, each an error on every rank: no process group in a launched job,
+        #    device_ids that do not fit the module, a model that differs across ranks.
+        require_process_group("tandem.DDP")
+        check_device_ids(module, device_ids, "tandem.DDP", output_device)
         self.module = module
         self.device = _as_device(device_ids[0]) if device_ids else None
         self.output_device = output_device
@@ -87,24 +96,25 @@ class DistributedDataParallel(nn.Module):
         self.broadcast_buffers = broadcast_buffers
         self.process_group = process_group
         self.find_unused_parameters = find_unused_parameters
+        self.static_graph = static_graph
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.require_backward_grad_sync = True
 
-        named = list(module.named_parameters())
-        # 1. Same model everywhere, then rank 0's values everywhere.
-        verify_same_parameters(named, process_group)
+        verify_same_model(module, process_group, "tandem.DDP")
+        # 2. Rank 0's values everywhere.
         self._buffers_to_sync = list(module.buffers())
         self.sync_params_and_buffers()
 
-        trainable = [(n, p) for n, p in named if p.requires_grad]
+        trainable = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self.reducer = Reducer(
             [p for _, p in trainable],
             [n for n, _ in trainable],
             group=process_group,
-            bucket_cap_mb=25.0 if bucket_cap_mb is None else bucket_cap_mb,
+            bucket_cap_mb=bucket_cap_mb,
             first_bucket_cap_mb=first_bucket_cap_mb,
             find_unused_parameters=find_unused_parameters,
             gradient_as_bucket_view=gradient_as_bucket_view,
+            static_graph=static_graph,
         )
         if comm_hook is not None:
             self.register_comm_hook(process_group if comm_state is None else comm_state, comm_hook)
@@ -125,7 +135,10 @@ class DistributedDataParallel(nn.Module):
             if self.broadcast_buffers:
                 broadcast_coalesced(self._buffers_to_sync, self.process_group)
         if self.device is not None:
-            inputs, kwargs = _to_device((inputs, kwargs), self.device)
+            device = self.device
+            inputs, kwargs = map_tensors(
+                lambda t: t.to(device, non_blocking=True), (inputs, kwargs)
+            )
         output = self.module(*inputs, **kwargs)
         if training:
             self.reducer.prepare(output, sync=self.require_backward_grad_sync)
@@ -202,15 +215,3 @@ def drop_zero_grads(model: nn.Module) -> int:
 def _as_device(device: int | str | torch.device) -> torch.device:
     # torch's convention: a bare integer in device_ids is a CUDA device index.
     return torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
-
-
-def _to_device(obj: Any, device: torch.device) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device, non_blocking=True)
-    if isinstance(obj, tuple):
-        return tuple(_to_device(x, device) for x in obj)
-    if isinstance(obj, list):
-        return [_to_device(x, device) for x in obj]
-    if isinstance(obj, dict):
-        return {k: _to_device(v, device) for k, v in obj.items()}
-    return obj

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tandem.parallel.comm_hooks import group_size
+from tandem._dist import global_rank, group_rank, group_size
 from tandem.parallel.sharding import flat_shard, padded_numel
 
 # torch 2.13 renamed the flat collectives; older versions (tandem supports 2.4+) lack the new
@@ -93,7 +93,7 @@ class FlatUnit:
         self.index = index
         self.group = group
         self.world_size = group_size(group)
-        self.rank = dist.get_rank(group) if self.world_size > 1 else 0
+        self.rank = group_rank(group)
         self.entries: list[Entry] = []
         offset = 0
         for fqn, locations, p in params:
@@ -111,8 +111,7 @@ class FlatUnit:
             if self.world_size > 1:
                 # Rank 0's values everywhere, one unit at a time on ``device``: a model built on
                 # the CPU never has to fit on the device whole.
-                world = group if group is not None else dist.group.WORLD
-                dist.broadcast(flat, src=dist.get_global_rank(world, 0), group=group)
+                dist.broadcast(flat, src=global_rank(group, 0), group=group)
             self.shard = nn.Parameter(flat[self.own].clone())
         for entry in self.entries:
             for module, name in entry.locations:

@@ -27,7 +27,7 @@ once, at construction; frozen parameters stay ordinary, replicated parameters.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -38,13 +38,11 @@ from torch.autograd import Variable
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils._pytree import tree_flatten
 
+from tandem._dist import group_rank, group_size, require_process_group
 from tandem.parallel import fsdp_state
-from tandem.parallel.comm_hooks import group_size
 from tandem.parallel.flat import FlatUnit
-from tandem.parallel.replicas import broadcast_coalesced, verify_same_parameters
-
-AutoWrap = Callable[[nn.Module], bool] | Iterable[type[nn.Module]]
-
+from tandem.parallel.fsdp_units import AutoWrap, agree_on_units, plan_units
+from tandem.parallel.replicas import broadcast_coalesced, verify_same_model
 
 # Reduce-scatters left running at once: each holds a unit's whole flat gradient, so an
 # unbounded number would keep every gradient alive until backward ends, as DDP does.
@@ -74,12 +72,14 @@ class FullyShardedDataParallel(nn.Module):
     are issued in the order they run.
 
     Args:
-        module: the model; the same on every rank (checked), then rank 0's values everywhere.
+        module: the model; the same parameters and buffers on every rank (checked), then rank
+            0's values everywhere.
         stage: 3 (default) frees each unit's parameters after its forward and its backward;
             2 keeps whole parameters on every rank and shards gradients and optimizer state.
         auto_wrap: the submodules that become units of their own: module classes
             (``{nn.TransformerEncoderLayer}``) or a predicate ``module -> bool``; None makes
-            the whole model one unit (sharded at rest, gathered whole for each step).
+            the whole model one unit (sharded at rest, gathered whole for each step). The same
+            units on every rank (checked).
         process_group: the group to shard over (default: the whole world).
         device: where shards and gathered parameters live (default: the parameters' device).
 
@@ -104,6 +104,8 @@ class FullyShardedDataParallel(nn.Module):
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
+        wrapper = "tandem.FullyShardedDataParallel"
+        require_process_group(wrapper)
         if stage not in (2, 3):
             raise ValueError(
                 f"stage={stage!r}: FullyShardedDataParallel implements stage 2 (gradients and "
@@ -114,24 +116,33 @@ class FullyShardedDataParallel(nn.Module):
         self.stage = stage
         self.process_group = process_group
         self.world_size = group_size(process_group)
-        self.rank = dist.get_rank(process_group) if self.world_size > 1 else 0
-        wrapper = "tandem.FullyShardedDataParallel"
-        verify_same_parameters(module.named_parameters(), process_group, wrapper=wrapper)
+        self.rank = group_rank(process_group)
+        # Parameters and buffers: the buffers are broadcast below as one flat buffer, whose
+        # size must match on every rank.
+        verify_same_model(module, process_group, wrapper=wrapper)
         self.state_keys = list(module.state_dict().keys())
         self.param_fqns = [name for name, _ in module.named_parameters()]
         first_name: dict[int, str] = {}
         registrations = module.named_parameters(remove_duplicate=False)
         names = [(first_name.setdefault(id(p), key), key, p) for key, p in registrations]
 
-        predicate = _predicate(auto_wrap)
-        unit_modules = [m for m in module.modules() if m is not module and predicate(m)]
-        owner = _assign(module, unit_modules)
+        refused = None
+        try:
+            planned = plan_units(module, auto_wrap)
+        except ValueError as error:
+            planned, refused = None, error
+        # Each unit broadcasts its own flat buffer: the same model cut into other units (another
+        # auto_wrap on one rank) would hang there, so the ranks compare their units first.
+        try:
+            agree_on_units(planned, process_group, wrapper)
+        except ValueError:
+            if refused is None:
+                raise
+        if refused is not None:  # its own error on the rank that refused auto_wrap
+            raise refused
         units: list[FlatUnit] = []
         unit_of_module: dict[int, FlatUnit] = {}
-        for m in [*unit_modules, module]:
-            params = owner.get(id(m), [])
-            if not params:
-                continue
+        for _, m, params in planned:
             target = torch.device(device) if device is not None else params[0][2].device
             unit = FlatUnit(len(units), params, process_group, target)
             units.append(unit)
@@ -154,9 +165,9 @@ class FullyShardedDataParallel(nn.Module):
         # and those of the forward in progress.
         self._order: list[FlatUnit] = []
         self._running: list[FlatUnit] = []
-        for m in unit_modules:
-            unit = unit_of_module.get(id(m))
-            if unit is not None:
+        for _, m, _ in planned:
+            if m is not module:  # the root's unit is gathered by forward itself
+                unit = unit_of_module[id(m)]
                 m.register_forward_pre_hook(lambda _m, _a, u=unit: self._pre_forward(u))
                 m.register_forward_hook(lambda _m, _a, out, u=unit: self._post_forward(u, out))
         for unit in units:  # gathered since construction
@@ -424,50 +435,3 @@ class _StepWatcher:
         for unit in model.units:
             if id(unit.shard) in stepped:
                 unit.invalidate()
-
-
-def _predicate(auto_wrap: AutoWrap | None) -> Callable[[nn.Module], bool]:
-    if auto_wrap is None:
-        return lambda m: False
-    if callable(auto_wrap) and not isinstance(auto_wrap, type):
-        return auto_wrap
-    classes = (auto_wrap,) if isinstance(auto_wrap, type) else tuple(auto_wrap)
-    for c in classes:
-        if not (isinstance(c, type) and issubclass(c, nn.Module)):
-            raise ValueError(
-                f"auto_wrap={auto_wrap!r}: give nn.Module classes or a predicate module -> bool"
-            )
-    return lambda m: isinstance(m, classes)
-
-
-Located = tuple[str, list[tuple[nn.Module, str]], nn.Parameter]
-
-
-def _assign(root: nn.Module, unit_modules: list[nn.Module]) -> dict[int, list[Located]]:
-    """Each trainable parameter's unit: the innermost unit module holding it.
-
-    A parameter registered under two units (tied embeddings) goes to the root, whose parameters
-    stay gathered for the whole forward and backward. Within a unit, parameters keep their
-    registration order; a tied parameter is named by its first registration.
-    """
-    units = {id(m) for m in unit_modules}
-    holders: dict[int, set[int]] = {}
-    found: dict[int, Located] = {}
-
-    def walk(module: nn.Module, prefix: str, unit: int) -> None:
-        unit = id(module) if id(module) in units else unit
-        for name, p in module._parameters.items():
-            if p is None or not p.requires_grad:
-                continue
-            holders.setdefault(id(p), set()).add(unit)
-            found.setdefault(id(p), (prefix + name, [], p))[1].append((module, name))
-        for name, child in module._modules.items():
-            if child is not None:
-                walk(child, f"{prefix}{name}.", unit)
-
-    walk(root, "", id(root))
-    owner: dict[int, list[Located]] = {}
-    for pid, located in found.items():
-        where = holders[pid]
-        owner.setdefault(next(iter(where)) if len(where) == 1 else id(root), []).append(located)
-    return owner

@@ -23,8 +23,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 
+from tandem._dist import agree
 from tandem.parallel.flat import FlatUnit, all_gather_flat
 
 if TYPE_CHECKING:
@@ -179,14 +179,15 @@ def full_optim_state_dict(
     keys = sorted(
         (i, sorted(saved["state"].get(i, {}))) for i, p in enumerate(params) if id(p) in units
     )
-    if model.world_size > 1:
-        everyone: list[Any] = [None] * model.world_size
-        dist.all_gather_object(everyone, keys, group=model.process_group)
-        if any(k != keys for k in everyone):
-            raise ValueError(
-                "the ranks' optimizers hold state for different shards or keys: step the "
-                "optimizer on every rank alike before saving"
-            )
+    # The all-gathers below go shard by shard and key by key: a rank with other state would
+    # hang in them, so the ranks compare first.
+    agree(
+        keys,
+        "the optimizer's state (which shards hold it, under which keys)",
+        model.process_group,
+        explain=_first_keys_difference,
+        fix="Step the optimizer on every rank alike before saving",
+    )
     state: dict[int, dict[str, Any]] = {}
     for i, p in enumerate(params):
         own = saved["state"].get(i, {})
@@ -273,6 +274,24 @@ def _cut(unit: FlatUnit, entries: list[dict[str, Any] | None], shard: torch.Tens
         else:
             out[key] = values[0]
     return out
+
+
+def _first_keys_difference(everyone: list[list[tuple[int, list[str]]]]) -> str:
+    """Name the first optimizer parameter whose state keys differ from rank 0's, and where."""
+    reference = dict(everyone[0])
+    for rank, keys in enumerate(everyone):
+        theirs = dict(keys)
+        for i in sorted(set(reference) | set(theirs)):
+            if reference.get(i) != theirs.get(i):
+                return (
+                    f"optimizer parameter #{i}: rank 0 has state {_keys(reference.get(i))}, "
+                    f"rank {rank} has {_keys(theirs.get(i))}"
+                )
+    return "no difference found"  # agree calls this only when the ranks differ
+
+
+def _keys(keys: list[str] | None) -> str:
+    return "none" if not keys else "keys " + ", ".join(keys)
 
 
 def _cpu(value: Any) -> Any:

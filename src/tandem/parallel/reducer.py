@@ -2,23 +2,34 @@
 
 One iteration, as the reducer sees it:
 
-1. ``prepare()`` (end of forward): reset the per-iteration state; with find_unused_parameters,
-   walk the autograd graph from the outputs and note the parameters it cannot reach.
+1. ``prepare()`` (end of forward): arm the coming backward; with find_unused_parameters, walk
+   the autograd graph from the outputs and note the parameters it cannot reach; hook the outputs
+   so that the end-of-backward callback is queued on the backward the *user* started.
 2. Per parameter, a post-accumulate-grad hook fires once its ``.grad`` is final for this
-   backward: the gradient is copied into its bucket slot (or already lives there, with
-   gradient_as_bucket_view) and the bucket's pending count drops.
-3. A bucket whose count reaches zero is launched, but only after every bucket before it: all
-   ranks must issue the same collectives in the same order, whatever order their hooks fire in.
-4. ``_finalize()`` (queued on the autograd engine, runs once backward is done): wait for every
-   bucket, write the means back into ``.grad``, settle unused parameters, and raise on every rank
-   if any rank was missing gradients.
+   backward, and the bucket's pending count drops.
+3. A bucket whose count reaches zero is filled (its gradients copied in, divided by the world
+   size) and launched, but only after every bucket before it: all ranks must issue the same
+   collectives in the same order, whatever order their hooks fire in. With a communication
+   hook, bucket k+1 is launched only once bucket k's future is done, because hooks such as
+   PowerSGD issue further collectives from that future's callbacks, on another thread.
+4. ``_finalize()`` (runs once backward is done): launch what is left (zeros for gradients this
+   rank never got), wait for every bucket, write the means back into ``.grad``, and agree across
+   ranks, in one small all-reduce issued after every bucket's own collectives, on how many
+   gradients each rank missed (and, with find_unused_parameters, on which were used anywhere).
 
-After the first iteration the buckets are rebuilt once, in the order the gradients really became
-ready (rank 0's order, broadcast, so that every rank agrees).
+Buckets follow torch's rules so that both engines sum the same numbers in the same groups: the
+first backward runs with one bucket per dtype and device (the ready order is unknown), then the
+buckets are rebuilt once in the order the gradients really became ready (rank 0's order,
+broadcast). With find_unused_parameters the graph may change every step: the buckets are cut
+from the start and never rebuilt. ``static_graph`` follows torch's meaning: the first backward
+counts how many times each parameter's hook fires and reduces everything at its end; later
+backwards launch a parameter's bucket after its last expected gradient.
 """
 
 from __future__ import annotations
 
+import enum
+import sys
 from collections.abc import Sequence
 from functools import partial
 from typing import Any
@@ -27,15 +38,39 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Variable
 
+from tandem import _tree
+from tandem._dist import gather_objects, global_rank, group_size
 from tandem.parallel.buckets import MIB, Bucket, assign_buckets, build_buckets
-from tandem.parallel.comm_hooks import CommHook, GradBucket, completed, group_size
+from tandem.parallel.comm_hooks import CommHook, GradBucket, completed
 
-# The first bucket is small so that the first all-reduce starts early in backward.
-FIRST_BUCKET_MB = 1.0
+DEFAULT_BUCKET_MB = 25.0
+# With the default cap the first rebuilt bucket is small, so that the first all-reduce starts
+# early in backward; an explicit bucket_cap_mb applies to every bucket (torch's rule).
+DEFAULT_FIRST_BUCKET_MB = 1.0
 
 
 class UnusedParametersError(RuntimeError):
     """Some rank finished backward without a gradient for some parameters."""
+
+
+class Phase(enum.Enum):
+    """What the parameter hooks do with a gradient."""
+
+    IDLE = "idle"  # no DDP forward armed a backward: gradients are left alone
+    ACCUMULATE = "accumulate"  # under no_sync: only note which parameters were used
+    REDUCE = "reduce"  # fill buckets and launch them
+
+
+def bucket_caps(bucket_cap_mb: float | None, first_bucket_cap_mb: float | None) -> tuple[int, int]:
+    """(cap, first cap) in bytes, by torch's rule; ValueError for a cap that is not positive."""
+    cap_mb = DEFAULT_BUCKET_MB if bucket_cap_mb is None else bucket_cap_mb
+    if first_bucket_cap_mb is None:
+        first_bucket_cap_mb = DEFAULT_FIRST_BUCKET_MB if bucket_cap_mb is None else cap_mb
+    for name, mb in (("bucket_cap_mb", cap_mb), ("first_bucket_cap_mb", first_bucket_cap_mb)):
+        if not mb > 0:
+            raise ValueError(f"{name}={mb} must be a positive number of MiB")
+    # At least one byte: a tiny cap means one parameter per bucket, not an invalid cap.
+    return max(1, int(cap_mb * MIB)), max(1, int(first_bucket_cap_mb * MIB))
 
 
 class Reducer:
@@ -54,107 +89,127 @@ class Reducer:
         params: Sequence[torch.Tensor],
         names: Sequence[str],
         group: dist.ProcessGroup | None = None,
-        bucket_cap_mb: float = 25.0,
-        first_bucket_cap_mb: float = FIRST_BUCKET_MB,
+        bucket_cap_mb: float | None = None,
+        first_bucket_cap_mb: float | None = None,
         find_unused_parameters: bool = False,
         gradient_as_bucket_view: bool = False,
+        static_graph: bool = False,
     ) -> None:
         self.params = list(params)
         self.names = list(names)
         self.group = group
         self.world_size = group_size(group)
-        for name, mb in (
-            ("bucket_cap_mb", bucket_cap_mb),
-            ("first_bucket_cap_mb", first_bucket_cap_mb),
-        ):
-            if not mb > 0:
-                raise ValueError(f"{name}={mb} must be a positive number of MiB")
-        # At least one byte: a tiny cap means one parameter per bucket, not an invalid cap.
-        self.cap_bytes = max(1, int(bucket_cap_mb * MIB))
-        self.first_cap_bytes = max(1, int(first_bucket_cap_mb * MIB))
-        self.find_unused = find_unused_parameters
+        self.cap_bytes, self.first_cap_bytes = bucket_caps(bucket_cap_mb, first_bucket_cap_mb)
+        self.find_unused = find_unused_parameters and not static_graph
+        self.static_graph = static_graph
         self.as_view = gradient_as_bucket_view
         self.hook: CommHook | None = None
         self.hook_state: Any = None
+        # Divide while copying in: one pass over memory, and torch's exact bits.
+        self.scale = 1.0 / self.world_size
 
-        # With find_unused_parameters the graph may change every step, so the first step's
-        # order says little about the next: keep the initial layout (as torch does).
-        self.rebuilt = find_unused_parameters
+        # Before any backward the ready order is unknown. torch then uses one bucket (so that
+        # no all-reduce can start on a guess), except with find_unused_parameters, whose
+        # buckets are cut once from the reversed registration order and kept.
+        self.rebuilt = self.find_unused
         self.ready_order: list[int] = []
-        self._install(self._initial_layout())
+        if self.find_unused:
+            self._install(self._layout(list(range(len(self.params))), reverse=True))
+        else:
+            self._install(self._layout(list(range(len(self.params))), one_bucket=True))
         self._handles = [
             p.register_post_accumulate_grad_hook(partial(self._on_grad, i))
             for i, p in enumerate(self.params)
         ]
 
-        # Per-iteration state. "sync": hooks reduce; "accumulate": under no_sync, hooks only
-        # note which parameters were used; None: backward not started by a DDP forward.
-        self.mode: str | None = None
+        self.phase = Phase.IDLE
+        self.backwards = 0  # backward passes that reduced: static_graph's first one is special
         self.marked = [False] * len(self.params)
-        self.num_marked = 0
         self.next_bucket = 0
+        self.held = False  # a ready bucket waits for its predecessor's hook future
         self.futures: list[torch.futures.Future | dist.Work | None] = []
         self.finalize_queued = False
         self.unused: list[int] = []
         self.used = [False] * len(self.params)  # survives no_sync iterations, as torch's map
-        self._flag_host: torch.Tensor | None = None
-        self._flag_event: Any = None
+        # static_graph: hook firings per parameter in the first backward, and in this one.
+        self.expected_fires: list[int] | None = None
+        self.fires = [0] * len(self.params)
+        self.static_used: list[bool] | None = None
+        self._check_host: torch.Tensor | None = None
+        self._check_event: Any = None
         self._missing: list[int] = []
 
     # -- layout ---------------------------------------------------------------------------
 
-    def _initial_layout(self) -> list[list[int]]:
-        # Before any backward the ready order is unknown: assume layers run in registration
-        # order, so gradients arrive in reverse. Buckets are cut in registration order and then
-        # reversed, which leaves the small bucket for the first layers, whose gradients come
-        # last: the all-reduce still to do once backward has finished is then a short one.
-        # (This is torch's layout too, which keeps the two bit-for-bit comparable.)
-        return list(reversed(self._layout(list(range(len(self.params))))))
-
-    def _layout(self, order: list[int]) -> list[list[int]]:
+    def _layout(
+        self, order: list[int], reverse: bool = False, one_bucket: bool = False
+    ) -> list[list[int]]:
+        # Cut in registration order and reversed (initially): gradients arrive roughly in
+        # reverse, and the small first-cut bucket then holds the first layers, whose gradients
+        # come last, so the all-reduce left after backward is a short one.
         sizes = [p.numel() * p.element_size() for p in self.params]
         keys = [(p.dtype, p.device) for p in self.params]
-        return assign_buckets(sizes, keys, order, self.cap_bytes, self.first_cap_bytes)
+        if one_bucket:
+            return list(reversed(assign_buckets(sizes, keys, order, sys.maxsize, sys.maxsize)))
+        layout = assign_buckets(sizes, keys, order, self.cap_bytes, self.first_cap_bytes)
+        return list(reversed(layout)) if reverse else layout
 
     def _install(self, layout: list[list[int]]) -> None:
-        # One spare element in the last bucket carries the missing-gradient flag (see _finalize).
-        self.buckets: list[Bucket] = build_buckets(layout, self.params, extra_last=1)
-        where = {
-            i: (bucket.index, slot)
-            for bucket in self.buckets
-            for slot, i in enumerate(bucket.params)
-        }
-        self.where = [where[i] for i in range(len(self.params))]
-        self.views = [self.buckets[b].views[slot] for b, slot in self.where]
+        self.buckets: list[Bucket] = build_buckets(layout, self.params)
+        self.bucket_of = [self.buckets[0]] * len(self.params)
+        self.views: list[torch.Tensor] = [torch.empty(0)] * len(self.params)
+        for bucket in self.buckets:
+            for slot, i in enumerate(bucket.params):
+                self.bucket_of[i] = bucket
+                self.views[i] = bucket.views[slot]
         if self.as_view:
-            for bucket in self.buckets:
-                for slot, i in enumerate(bucket.params):
-                    grad = self.params[i].grad
-                    if grad is not None:
-                        bucket.views[slot].copy_(grad)
-                        self.params[i].grad = bucket.views[slot]
+            for i, p in enumerate(self.params):
+                if p.grad is not None:
+                    self.views[i].copy_(p.grad)
+                    p.grad = self.views[i]
 
     @property
     def layout(self) -> list[list[int]]:
         """Parameter indices per bucket, in launch order."""
         return [list(b.params) for b in self.buckets]
 
+    def state_dict(self) -> dict[str, Any]:
+        """The bucket order learnt so far: a resumed run then builds the same buckets.
+
+        Example::
+
+            state = ddp.reducer.state_dict()     # saved in a checkpoint
+            fresh.reducer.load_state_dict(state)
+        """
+        return {"rebuilt": self.rebuilt, "layout": self.layout, "ready_order": self.ready_order}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Take the buckets of a saved run (see ``state_dict``)."""
+        layout = [list(b) for b in state["layout"]]
+        if sorted(i for b in layout for i in b) != list(range(len(self.params))):
+            raise ValueError(
+                f"the saved bucket layout covers {sum(len(b) for b in layout)} parameters, this "
+                f"model has {len(self.params)}: load the state of the same model"
+            )
+        self.rebuilt = bool(state["rebuilt"])
+        self.ready_order = list(state["ready_order"])
+        if layout != self.layout:
+            self._install(layout)
+
     def rebuild(self) -> bool:
-        """Once, before the second forward: re-bucket in the order gradients became ready.
+        """Once, before a forward: re-bucket in the order gradients became ready.
 
         Rank 0's observed order is broadcast, because every rank must build identical buckets
-        and hook timing can differ between ranks. The first bucket is now the small one, so
-        that communication starts as soon as the first gradients exist.
+        and hook timing can differ between ranks.
         """
-        if self.rebuilt or not self.ready_order:
+        if self.rebuilt or len(self.ready_order) == 0:
             return False
         self.rebuilt = True
         seen = set(self.ready_order)
         order = self.ready_order + [i for i in reversed(range(len(self.params))) if i not in seen]
         if self.world_size > 1:
-            device = self.params[0].device
-            t = torch.tensor(order, dtype=torch.int64, device=device)
-            dist.broadcast(t, src=dist.get_global_rank(_group(self.group), 0), group=self.group)
+            t = torch.tensor(order, dtype=torch.int64, device=self.params[0].device)
+            dist.broadcast(t, src=global_rank(self.group, 0), group=self.group)
             order = t.tolist()
         layout = self._layout(order)
         if layout == self.layout:
@@ -162,147 +217,180 @@ class Reducer:
         self._install(layout)
         return True
 
+    def _recording(self) -> bool:
+        # torch learns the order from the first backward that reduces bucket by bucket: the
+        # first one, or with static_graph the second (the first reduces everything at its end).
+        if self.rebuilt:
+            return False
+        return not self.static_graph or self.backwards == 1
+
     # -- per iteration --------------------------------------------------------------------
 
     def prepare(self, outputs: Any, sync: bool = True) -> None:
         """Called at the end of a forward that will be followed by backward."""
-        self.mode = "sync" if sync else "accumulate"
+        self.phase = Phase.REDUCE if sync else Phase.ACCUMULATE
+        if not sync:
+            return
         self.marked = [False] * len(self.params)
-        self.num_marked = 0
         self.next_bucket = 0
+        self.held = False
         self.futures = [None] * len(self.buckets)
         self.finalize_queued = False
         for bucket in self.buckets:
             bucket.pending = len(bucket.params)
+        if self.static_graph:
+            self.fires = [0] * len(self.params)
+        found = _tree.tensors(outputs)
         self.unused = []
-        if sync and self.find_unused:
-            reached = _reachable_params(outputs)
+        if self.find_unused:
+            reached = _reachable_params(found)
             self.unused = [i for i, p in enumerate(self.params) if id(p) not in reached]
+        # The end-of-backward callback must be queued on the backward that the user started.
+        # A parameter hook may fire inside a nested backward (reentrant checkpointing runs one
+        # per checkpointed block), and a callback queued there would run when that inner
+        # backward ends, long before the other gradients exist. The outputs' gradients are
+        # computed by the outer backward, before any parameter's.
+        for t in found:
+            if t.requires_grad:
+                t.register_hook(self._on_output_grad)
+
+    def _on_output_grad(self, grad: torch.Tensor) -> None:
+        if self.phase is Phase.REDUCE and not self.finalize_queued:
+            self._begin_backward()
+
+    def _begin_backward(self) -> None:
+        self.finalize_queued = True
+        Variable._execution_engine.queue_callback(self._finalize)
+        # Parameters known to get no gradient are marked here, inside backward, rather than in
+        # prepare(): launching their bucket must wait for backward to exist.
+        if self.static_graph and self.expected_fires is not None:
+            for i, n in enumerate(self.expected_fires):
+                if n == 0:
+                    self._mark(i)
+        for i in self.unused:
+            self._mark(i)
 
     def _on_grad(self, i: int, param: torch.Tensor) -> None:
-        if self.mode is None:
-            return
-        self.used[i] = True
-        if self.mode == "accumulate":
-            return
-        if not self.finalize_queued:
-            self.finalize_queued = True
-            Variable._execution_engine.queue_callback(self._finalize)
-            # Unused parameters are marked ready here, inside backward, rather than in
-            # prepare(): launching their bucket must wait for backward to exist.
-            for j in self.unused:
-                self._mark_ready(j)
-        self._mark_ready(i)
+        phase = self.phase
+        if phase is Phase.REDUCE:
+            self.used[i] = True
+            if not self.finalize_queued:
+                self._begin_backward()
+            if self.static_graph:
+                self.fires[i] += 1
+                if self.expected_fires is None:
+                    return  # first backward: everything is reduced at its end
+                if self.fires[i] != self.expected_fires[i]:
+                    return  # more gradients to come for this parameter
+            self._mark(i)
+        elif phase is Phase.ACCUMULATE:
+            self.used[i] = True
 
-    def _mark_ready(self, i: int) -> None:
+    def _mark(self, i: int) -> None:
         if self.marked[i]:
             raise RuntimeError(
                 f"tandem.DDP: parameter '{self.names[i]}' received a gradient twice in one "
-                "backward (a second backward through the same graph, or reentrant "
-                "checkpointing); call backward once per forward, or use no_sync()"
+                "backward (used in two reentrant-checkpointed blocks, or a second backward "
+                "through the same graph); pass static_graph=True if the graph is the same every "
+                "iteration, call backward once per forward, or use no_sync()"
             )
         self.marked[i] = True
-        self.num_marked += 1
-        if not self.rebuilt:
+        if self._recording():
             self.ready_order.append(i)
-        b, slot = self.where[i]
-        bucket = self.buckets[b]
-        view = bucket.views[slot]
-        grad = self.params[i].grad
-        if grad is None:
-            view.zero_()  # an unused parameter contributes zeros to the mean
-        elif self.as_view:
-            if grad.data_ptr() != view.data_ptr():
-                view.copy_(grad)
-                self.params[i].grad = view
-        elif self.hook is None and self.world_size > 1:
-            # Fold the division into the copy: one pass over memory, and torch's exact bits.
-            torch.mul(grad, 1.0 / self.world_size, out=view)
-        else:
-            view.copy_(grad)
+        bucket = self.bucket_of[i]
         bucket.pending -= 1
-        if bucket.pending == 0:
-            self._launch_ready_buckets()
+        if bucket.pending == 0 or self.held:
+            self._launch_ready()
 
-    def _launch_ready_buckets(self) -> None:
+    def _launch_ready(self) -> None:
         # Launch strictly in bucket order: collectives must match across ranks one for one.
-        while self.next_bucket < len(self.buckets) and self.buckets[self.next_bucket].pending == 0:
-            self.futures[self.next_bucket] = self._launch(self.buckets[self.next_bucket])
-            self.next_bucket += 1
+        buckets, futures = self.buckets, self.futures
+        while self.next_bucket < len(buckets) and buckets[self.next_bucket].pending == 0:
+            k = self.next_bucket
+            self.held = self.hook is not None and k > 0 and not futures[k - 1].done()  # type: ignore[union-attr]
+            if self.held:
+                return  # retried at the next gradient, or in _finalize
+            futures[k] = self._launch(buckets[k])
+            self.next_bucket = k + 1
+
+    def _fill(self, bucket: Bucket) -> None:
+        """Copy the bucket's gradients in (zeros where a parameter has none)."""
+        params = self.params
+        grads = [params[i].grad for i in bucket.params]
+        if self.as_view:
+            for slot, (i, grad) in enumerate(zip(bucket.params, grads, strict=True)):
+                view = bucket.views[slot]
+                if grad is None:
+                    view.zero_()
+                elif grad.data_ptr() != view.data_ptr():
+                    view.copy_(grad)
+                    params[i].grad = view
+        elif all(g is not None for g in grads):
+            torch._foreach_copy_(bucket.views, grads)  # one call per bucket, not per gradient
+        else:
+            for view, grad in zip(bucket.views, grads, strict=True):
+                view.zero_() if grad is None else view.copy_(grad)
 
     def _launch(self, bucket: Bucket) -> torch.futures.Future | dist.Work:
-        is_last = bucket.index == len(self.buckets) - 1
-        if is_last:
-            bucket.flat[-1:].fill_(len(self.params) - self.num_marked)
+        self._fill(bucket)
         if self.hook is not None:
+            is_last = bucket.index == len(self.buckets) - 1
             grads = GradBucket(
-                bucket.index,
-                bucket.buffer,
-                [self.params[i] for i in bucket.params],
-                bucket.views,
-                is_last,
-            )
-            fut = self.hook(self.hook_state, grads)
-            if is_last and self.world_size > 1:
-                # A user hook may transform the buffer; the flag travels on its own.
-                flag = dist.all_reduce(bucket.flat[-1:], group=self.group, async_op=True)
-                return torch.futures.collect_all([fut, flag.get_future()]).then(
-                    lambda f: f.value()[0].value()
-                )
-            return fut
+                bucket.index, bucket.flat, [self.params[i] for i in bucket.params],
+                bucket.views, is_last,
+            )  # fmt: skip
+            return self.hook(self.hook_state, grads)
         if self.world_size == 1:
             return completed(bucket.flat)
-        if self.as_view:
-            bucket.buffer.mul_(1.0 / self.world_size)
+        bucket.flat.mul_(self.scale)
         # The default path keeps the Work, not work.get_future(): waiting on the future costs
         # measurably more CPU per bucket with Gloo (benchmarks/ddp_throughput.py).
         return dist.all_reduce(bucket.flat, group=self.group, async_op=True)
 
     def _finalize(self) -> None:
-        self.mode = None
+        self.phase = Phase.IDLE
         self.finalize_queued = False
-        missing: list[int] = []
-        if self.num_marked < len(self.params):
-            missing = [i for i, m in enumerate(self.marked) if not m]
-            # Launch what is left, with zeros for the missing gradients, so that no rank waits
-            # on a collective this rank would never issue; the flag in the last bucket (the
-            # count of missing gradients, summed over ranks) tells every rank what happened.
-            for i in missing:
-                b, slot = self.where[i]
-                self.buckets[b].views[slot].zero_()
-                self.buckets[b].pending = 0
-            self._launch_ready_buckets()
-        # Write each bucket's means back as soon as that bucket is done: the copies then run
-        # while the later buckets are still on the wire.
-        write_back_now = not missing and not self.find_unused
-        for bucket, fut in zip(self.buckets, self.futures, strict=True):
-            assert fut is not None
+        first_static = self.static_graph and self.expected_fires is None
+        if first_static:
+            self.expected_fires = list(self.fires)
+            # Static graph: what fired once or more is used; the rest is simply unused.
+            self.used = [n > 0 for n in self.fires]
+        # Gradients this rank never got go out as zeros (see _fill), so that no rank waits on
+        # a collective this rank would never issue; _check then tells every rank what happened.
+        missing = [] if first_static else [i for i, m in enumerate(self.marked) if not m]
+        agree_used = self.find_unused or first_static
+        write_back_now = not missing and not agree_used and self.static_used is None
+        for k, bucket in enumerate(self.buckets):
+            fut = self.futures[k]
+            if fut is None:
+                if self.hook is not None and k > 0:
+                    self.futures[k - 1].wait()  # type: ignore[union-attr]
+                fut = self.futures[k] = self._launch(bucket)
             if isinstance(fut, dist.Work):
                 fut.wait()  # reduced in place
-                result = bucket.flat
             else:
                 result = fut.wait()
                 if isinstance(result, list):  # a hook returned work.get_future() as is
                     result = result[0]
-            if result.data_ptr() != bucket.flat.data_ptr():
-                bucket.buffer.copy_(result[: bucket.numel])
+                if result is not bucket.flat:
+                    bucket.flat.copy_(result)
+            # Write each bucket's means back as soon as that bucket is done: the copies then
+            # run while the later buckets are still on the wire.
             if write_back_now:
                 self._write_back(bucket.params, None)
+        self.next_bucket = len(self.buckets)
         # Drop the finished work handles: held past the last step, they keep the process
         # group's threads busy with their tensors while the interpreter shuts down.
         self.futures = []
-        self._check_flag(missing)
-        if write_back_now:
-            self.used = [False] * len(self.params)
-            return
-
-        used = self.used
-        if self.find_unused and self.world_size > 1:
-            t = torch.tensor(used, dtype=torch.int32, device=self.params[0].device)
-            dist.all_reduce(t, group=self.group)
-            used = [bool(u) for u in t.tolist()]
+        self.backwards += 1
+        used = self._check(missing, agree_used)
+        if first_static:
+            self.static_used = used
+        elif self.static_used is not None:
+            used = self.static_used
         self.used = [False] * len(self.params)
-        self._write_back(range(len(self.params)), used)
+        if not write_back_now:
+            self._write_back(range(len(self.params)), used)
 
     def _write_back(self, indices: Sequence[int], used: list[bool] | None) -> None:
         """Give parameters ``indices`` their mean gradient (``used``: who had one anywhere)."""
@@ -319,40 +407,47 @@ class Reducer:
         if grads:
             torch._foreach_copy_(grads, means)  # one call, not one per parameter
 
-    def _check_flag(self, missing: list[int]) -> None:
-        """Raise on every rank if any rank missed gradients (the flag is their summed count).
+    def _check(self, missing: list[int], agree_used: bool) -> list[bool] | None:
+        """Agree with every rank on missed gradients (and which parameters were used).
 
-        On the CPU the flag is read at once and the error comes out of backward. On a GPU,
-        reading it here would make the CPU wait for the GPU every step; it is copied to host
-        memory in the background instead and read at the next forward.
+        One int32 all-reduce, issued after every bucket's collectives (hooks' included) have
+        completed, so it is the same collective at the same place on every rank. A non-zero sum
+        of missed gradients raises on every rank. On a GPU, reading the sum here would make the
+        CPU wait for the GPU every step: it is copied to host memory in the background and read
+        at the next forward, unless the used map is needed now.
         """
-        flag = self.buckets[-1].flat[-1:]
-        if flag.device.type == "cpu":
-            if flag.item() != 0:
+        device = self.params[0].device
+        if self.world_size == 1:
+            if missing:
                 self._raise_missing(missing)
-            return
-        if self._flag_host is None:
-            self._flag_host = torch.zeros(1, dtype=flag.dtype, pin_memory=True)
-        self._flag_host.copy_(flag, non_blocking=True)
-        self._flag_event = torch.cuda.Event()
-        self._flag_event.record()
+            return list(self.used) if agree_used else None
+        values = [len(missing)] + ([int(u) for u in self.used] if agree_used else [])
+        t = torch.tensor(values, dtype=torch.int32, device=device)
+        dist.all_reduce(t, group=self.group)
+        if device.type == "cpu" or agree_used:
+            counts = t.tolist()
+            if counts[0] != 0:
+                self._raise_missing(missing)
+            return [bool(u) for u in counts[1:]] if agree_used else None
+        if self._check_host is None:
+            self._check_host = torch.zeros(1, dtype=t.dtype, pin_memory=True)
+        self._check_host.copy_(t, non_blocking=True)
+        self._check_event = torch.cuda.Event()
+        self._check_event.record()
         self._missing = missing
+        return None
 
     def check_previous_step(self) -> None:
         """Raise the missing-gradient error deferred from the previous backward (GPU only)."""
-        if self._flag_event is None:
+        if self._check_event is None:
             return
-        self._flag_event.synchronize()
-        self._flag_event = None
-        if self._flag_host is not None and self._flag_host.item() != 0:
+        self._check_event.synchronize()
+        self._check_event = None
+        if self._check_host is not None and self._check_host.item() != 0:
             self._raise_missing(self._missing)
 
     def _raise_missing(self, missing: list[int]) -> None:
-        names = [self.names[i] for i in missing]
-        per_rank: list[Any] = [names]
-        if self.world_size > 1:
-            per_rank = [None] * self.world_size
-            dist.all_gather_object(per_rank, names, group=self.group)
+        per_rank = gather_objects([self.names[i] for i in missing], self.group)
         lines = [f"rank {r}: {', '.join(n)}" for r, n in enumerate(per_rank) if n]
         raise UnusedParametersError(
             "tandem.DDP: these parameters received no gradient in this backward, so their "
@@ -362,19 +457,10 @@ class Reducer:
             "on every parameter (e.g. every output of forward is used in the loss)."
         )
 
-    def remove_hooks(self) -> None:
-        """Detach from the parameters (the wrapper is being discarded)."""
-        for handle in self._handles:
-            handle.remove()
 
-
-def _group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
-    return group if group is not None else dist.group.WORLD
-
-
-def _reachable_params(outputs: Any) -> set[torch.Tensor]:
+def _reachable_params(outputs: list[torch.Tensor]) -> set[int]:
     """ids of the parameters whose gradient accumulators the graph of ``outputs`` reaches."""
-    stack = [t.grad_fn for t in _tensors(outputs) if t.grad_fn is not None]
+    stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
     seen: set[Any] = set()
     reached: set[int] = set()
     while stack:
@@ -387,15 +473,3 @@ def _reachable_params(outputs: Any) -> set[torch.Tensor]:
             reached.add(id(variable))
         stack.extend(next_fn for next_fn, _ in fn.next_functions if next_fn is not None)
     return reached
-
-
-def _tensors(obj: Any) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, (list, tuple)):
-        return [t for item in obj for t in _tensors(item)]
-    if isinstance(obj, dict):
-        return [t for item in obj.values() for t in _tensors(item)]
-    if hasattr(obj, "__dataclass_fields__"):
-        return _tensors(list(vars(obj).values()))
-    return []

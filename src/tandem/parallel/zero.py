@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
-from tandem.parallel.comm_hooks import group_size
+from tandem._dist import global_rank, group_rank, group_size, require_process_group
 from tandem.parallel.replicas import verify_same_parameters
 from tandem.parallel.sharding import assign_owners
 
@@ -67,10 +67,11 @@ class ShardedOptimizer(Optimizer):
         process_group: dist.ProcessGroup | None = None,
         **defaults: Any,
     ) -> None:
+        require_process_group("tandem.ShardedOptimizer")
         groups = _as_groups(params)
         self.process_group = process_group
         self.world_size = group_size(process_group)
-        self.rank = dist.get_rank(process_group) if self.world_size > 1 else 0
+        self.rank = group_rank(process_group)
         self.params = [p for g in groups for p in g["params"]]
         # The owners are computed independently on every rank: different parameters would
         # mean different owners and a hang in phase 3, so fail on every rank now instead.
@@ -137,7 +138,6 @@ class ShardedOptimizer(Optimizer):
     def _broadcast_from_owners(self) -> None:
         if self.world_size == 1:
             return
-        world = self.process_group if self.process_group is not None else dist.group.WORLD
         pending = []
         for owner, tensors in self._plan:
             if owner == self.rank:
@@ -148,7 +148,7 @@ class ShardedOptimizer(Optimizer):
                     dtype=tensors[0].dtype,
                     device=tensors[0].device,
                 )
-            src = dist.get_global_rank(world, owner)
+            src = global_rank(self.process_group, owner)
             work = dist.broadcast(flat, src=src, group=self.process_group, async_op=True)
             pending.append((owner, tensors, flat, work))
         # Waiting only after all are issued lets the broadcasts of different owners overlap.
@@ -205,10 +205,9 @@ class ShardedOptimizer(Optimizer):
         if self.world_size == 1:
             shards = [shard]
         else:
-            world = self.process_group if self.process_group is not None else dist.group.WORLD
             shards = [None] * self.world_size if self.rank == to else None
             dist.gather_object(
-                shard, shards, dst=dist.get_global_rank(world, to), group=self.process_group
+                shard, shards, dst=global_rank(self.process_group, to), group=self.process_group
             )
         if self.rank != to:
             return None

@@ -13,37 +13,26 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tandem import _dist
+
 
 def world_size() -> int:
     """Processes in the default group; 1 when there is none."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return 1
-    return dist.get_world_size()
-
-
-def _device() -> torch.device:
-    # NCCL only moves CUDA tensors; Gloo and MPI take CPU ones.
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    return _dist.group_size()
 
 
 def sum_over_ranks(values: Sequence[float]) -> list[float]:
     """Element-wise sum of a few numbers over ranks, in float64 (exact for counts < 2**53)."""
     if world_size() == 1:
         return [float(v) for v in values]
-    tensor = torch.tensor(list(values), dtype=torch.float64, device=_device())
+    tensor = torch.tensor(list(values), dtype=torch.float64, device=_dist.backend_device())
     dist.all_reduce(tensor)
     return tensor.tolist()
 
 
 def gather_objects(obj: Any) -> list[Any]:
     """Every rank's ``obj`` in rank order (pickled: keep it small)."""
-    if world_size() == 1:
-        return [obj]
-    out: list[Any] = [None] * world_size()
-    dist.all_gather_object(out, obj)
-    return out
+    return _dist.gather_objects(obj)
 
 
 def from_rank0(obj: Any) -> Any:

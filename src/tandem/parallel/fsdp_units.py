@@ -1,0 +1,143 @@
+"""FSDP's units: which submodules become units, which parameters each holds, and the check that
+every rank cut the model alike.
+
+The layout decides the collectives: each unit broadcasts, all-gathers and reduce-scatters its
+own flat buffer, in unit order. Ranks with different layouts (another ``auto_wrap`` on one
+rank) would issue collectives of different sizes and hang, so :func:`agree_on_units` compares
+the layouts once, before the first of them, and raises on every rank instead.
+
+Example::
+
+    units = plan_units(model, auto_wrap={nn.Linear})   # [(name, module, params), ...]
+    agree_on_units(units, group)                       # ValueError on every rank if they differ
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+
+from tandem._dist import agree
+
+AutoWrap = Callable[[nn.Module], bool] | Iterable[type[nn.Module]]
+
+# One trainable parameter: its name, every (module, attribute) it is registered as, itself.
+Located = tuple[str, list[tuple[nn.Module, str]], nn.Parameter]
+
+# One unit, as compared across ranks: its module's name and its parameters' (name, numel).
+Layout = list[tuple[str, list[tuple[str, int]]]]
+
+
+def predicate(auto_wrap: AutoWrap | None) -> Callable[[nn.Module], bool]:
+    """``auto_wrap`` (module classes, a predicate or None) as a predicate ``module -> bool``."""
+    if auto_wrap is None:
+        return lambda m: False
+    if callable(auto_wrap) and not isinstance(auto_wrap, type):
+        return auto_wrap
+    classes = (auto_wrap,) if isinstance(auto_wrap, type) else tuple(auto_wrap)
+    for c in classes:
+        if not (isinstance(c, type) and issubclass(c, nn.Module)):
+            raise ValueError(
+                f"auto_wrap={auto_wrap!r}: give nn.Module classes or a predicate module -> bool"
+            )
+    return lambda m: isinstance(m, classes)
+
+
+def plan_units(
+    root: nn.Module, auto_wrap: AutoWrap | None
+) -> list[tuple[str, nn.Module, list[Located]]]:
+    """The units in construction order: each picked submodule, then the root for the rest.
+
+    Each is ``(module name, module, its trainable parameters)``; modules left without trainable
+    parameters are no unit. The root's name is ``""``.
+    """
+    picks = predicate(auto_wrap)
+    named = [(name, m) for name, m in root.named_modules() if m is not root and picks(m)]
+    owner = assign(root, [m for _, m in named])
+    return [(name, m, owner[id(m)]) for name, m in [*named, ("", root)] if owner.get(id(m), [])]
+
+
+def assign(root: nn.Module, unit_modules: list[nn.Module]) -> dict[int, list[Located]]:
+    """Each trainable parameter's unit: the innermost unit module holding it.
+
+    A parameter registered under two units (tied embeddings) goes to the root, whose parameters
+    stay gathered for the whole forward and backward. Within a unit, parameters keep their
+    registration order; a tied parameter is named by its first registration.
+    """
+    units = {id(m) for m in unit_modules}
+    holders: dict[int, set[int]] = {}
+    found: dict[int, Located] = {}
+
+    def walk(module: nn.Module, prefix: str, unit: int) -> None:
+        unit = id(module) if id(module) in units else unit
+        for name, p in module._parameters.items():
+            if p is None or not p.requires_grad:
+                continue
+            holders.setdefault(id(p), set()).add(unit)
+            found.setdefault(id(p), (prefix + name, [], p))[1].append((module, name))
+        for name, child in module._modules.items():
+            if child is not None:
+                walk(child, f"{prefix}{name}.", unit)
+
+    walk(root, "", id(root))
+    owner: dict[int, list[Located]] = {}
+    for pid, located in found.items():
+        where = holders[pid]
+        owner.setdefault(next(iter(where)) if len(where) == 1 else id(root), []).append(located)
+    return owner
+
+
+def layout(units: list[tuple[str, nn.Module, list[Located]]] | None) -> Layout | None:
+    """What the ranks compare: every unit's name with its parameters' names and sizes."""
+    if units is None:
+        return None
+    return [(name, [(fqn, p.numel()) for fqn, _, p in params]) for name, _, params in units]
+
+
+def agree_on_units(
+    units: list[tuple[str, nn.Module, list[Located]]] | None,
+    group: dist.ProcessGroup | None,
+    wrapper: str = "tandem.FullyShardedDataParallel",
+) -> None:
+    """Return if every rank planned the same units; else ValueError on every rank.
+
+    ``units`` is None on a rank whose ``auto_wrap`` was refused: it joins the comparison anyway
+    (and raises its own error afterwards), so its peers raise too instead of waiting for it.
+    """
+    agree(
+        layout(units),
+        f"{wrapper}: the units",
+        group,
+        explain=first_unit_difference,
+        fix="Pass the same auto_wrap on every rank (the units decide the collectives)",
+    )
+
+
+def first_unit_difference(layouts: list[Any]) -> str:
+    """Describe the first unit in which some rank's layout differs from rank 0's."""
+    refused = [r for r, lay in enumerate(layouts) if lay is None]
+    if refused:
+        return f"rank(s) {refused} refused their auto_wrap (see their own error)"
+    for j in range(max(len(lay) for lay in layouts)):
+        entries = [lay[j] if j < len(lay) else None for lay in layouts]
+        if all(e == entries[0] for e in entries):
+            continue
+        described = [f"rank 0 has {_describe(entries[0])}"]
+        described += [
+            f"rank {r} has {_describe(e)}" for r, e in enumerate(entries) if r and e != entries[0]
+        ]
+        counts = ", ".join(f"rank {r}: {len(lay)}" for r, lay in enumerate(layouts))
+        return f"unit #{j} differs: " + ", ".join(described) + f" (unit counts: {counts})"
+    return "no difference found"  # agree calls this only when the layouts differ
+
+
+def _describe(unit: tuple[str, list[tuple[str, int]]] | None) -> str:
+    if unit is None:
+        return "no such unit"
+    name, params = unit
+    shown = ", ".join(f"{fqn}: {numel}" for fqn, numel in params[:4])
+    more = f", and {len(params) - 4} more" if len(params) > 4 else ""
+    return f"{f'{name!r}' if name else 'the root'} ({shown}{more})"
