@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from tandem.parallel.ddp import DistributedDataParallel, drop_zero_grads
     from tandem.parallel.dp import DataParallel
     from tandem.parallel.fsdp import FullyShardedDataParallel
+    from tandem.parallel.join import join
     from tandem.parallel.zero import ShardedOptimizer
     from tandem.train.trainer import Trainer
 
@@ -31,6 +32,7 @@ _LAZY = {
     "ShardedOptimizer": ("tandem.parallel.zero", "ShardedOptimizer"),
     "Trainer": ("tandem.train.trainer", "Trainer"),
     "drop_zero_grads": ("tandem.parallel.ddp", "drop_zero_grads"),
+    "join": ("tandem.parallel.join", "join"),
     "spawn": ("tandem.launch.spawn", "spawn"),
 }
 
@@ -47,6 +49,7 @@ __all__ = [
     "drop_zero_grads",
     "groups",
     "init",
+    "join",
     "metrics",
     "shutdown",
     "spawn",

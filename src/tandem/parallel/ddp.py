@@ -22,15 +22,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from tandem._dist import group_size, require_process_group
 from tandem._tree import map_tensors
 from tandem.parallel.comm_hooks import CommHook
+from tandem.parallel.join import DDPJoinHook, common_rank, training_ranks
 from tandem.parallel.reducer import Reducer
 from tandem.parallel.replicas import broadcast_coalesced, check_device_ids, verify_same_model
 
 
-class DistributedDataParallel(nn.Module):
+class DistributedDataParallel(nn.Module, Joinable):
     """Data parallelism across processes, with torch's DDP arguments, written in Python.
 
     Args:
@@ -85,6 +87,7 @@ class DistributedDataParallel(nn.Module):
         first_bucket_cap_mb: float | None = None,
     ) -> None:
         super().__init__()
+        Joinable.__init__(self)  # inside tandem.join / torch's Join, see parallel/join.py
         # 1. Mistakes first, each an error on every rank: no process group in a launched job,
         #    device_ids that do not fit the module, a model that differs across ranks.
         require_process_group("tandem.DDP")
@@ -99,6 +102,7 @@ class DistributedDataParallel(nn.Module):
         self.static_graph = static_graph
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.require_backward_grad_sync = True
+        self.divide_by_initial_world_size = True  # changed only inside tandem.join
 
         verify_same_model(module, process_group, "tandem.DDP")
         # 2. Rank 0's values everywhere.
@@ -127,13 +131,16 @@ class DistributedDataParallel(nn.Module):
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Run the module; with grad enabled, arm the reducer for the coming backward."""
         training = torch.is_grad_enabled() and bool(self.reducer.params)
+        # Inside a join context, tell the ranks that ran out of data that this one has not.
+        announced = Join.notify_join_context(self)
         if training:
             self.reducer.check_previous_step()
             self.reducer.rebuild()
-            # Buffers come from rank 0 before the forward that uses them: otherwise each
-            # replica's BatchNorm drifts to its own data's statistics.
-            if self.broadcast_buffers:
-                broadcast_coalesced(self._buffers_to_sync, self.process_group)
+            self.sync_buffers(training=True)
+            if announced is not None and not self.divide_by_initial_world_size:
+                self.reducer.scale = 1.0 / training_ranks(announced)
+        if self._join_config.enable:
+            self.announce_sync(joined=False)
         if self.device is not None:
             device = self.device
             inputs, kwargs = map_tensors(
@@ -175,8 +182,8 @@ class DistributedDataParallel(nn.Module):
         self.reducer.hook = hook
         self.reducer.hook_state = state
 
-    def sync_params_and_buffers(self) -> None:
-        """Overwrite parameters and buffers with rank 0's (e.g. before a final evaluation).
+    def sync_params_and_buffers(self, src: int = 0) -> None:
+        """Overwrite parameters and buffers with group rank ``src``'s (e.g. before evaluating).
 
         Example::
 
@@ -184,7 +191,49 @@ class DistributedDataParallel(nn.Module):
             evaluate(model)
         """
         tensors = [p.data for p in self.module.parameters()] + list(self.module.buffers())
-        broadcast_coalesced(tensors, self.process_group)
+        broadcast_coalesced(tensors, self.process_group, src=src)
+
+    def sync_buffers(self, training: bool) -> None:
+        """Broadcast the buffers before a forward (``training=False``: a joined rank's echo).
+
+        Buffers come from rank 0 before the forward that uses them: otherwise each replica's
+        BatchNorm drifts to its own data's statistics. Inside a join context rank 0 may have
+        run out with stale statistics: the highest rank still training is the source.
+        """
+        if not self.broadcast_buffers or not self._buffers_to_sync:
+            return
+        src = common_rank(self, training) if self._join_config.enable else 0
+        broadcast_coalesced(self._buffers_to_sync, self.process_group, src=src)
+
+    def announce_sync(self, joined: bool) -> bool:
+        """Inside a join context: all-reduce whether this iteration's backward syncs.
+
+        Training ranks add 1 unless under no_sync, joined ranks add 0 and read the sum: with
+        no rank syncing, the joined ones skip the gradient collectives too.
+        """
+        flag = float(not joined and self.require_backward_grad_sync)
+        t = torch.tensor([flag], device=self.join_device)
+        work = dist.all_reduce(t, group=self.process_group, async_op=True)
+        if not joined:
+            return True
+        work.wait()
+        return t.item() != 0
+
+    # -- torch's Joinable interface (tandem.join, torch.distributed.algorithms.Join) ----------
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        """What this rank does in each iteration after it ran out of inputs."""
+        return DDPJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
+
+    @property
+    def join_device(self) -> torch.device:
+        """Where the join context's own all-reduces run: the device of the parameters."""
+        return next(self.module.parameters()).device
+
+    @property
+    def join_process_group(self) -> Any:
+        """The group whose ranks join."""
+        return self.process_group if self.process_group is not None else dist.group.WORLD
 
 
 DDP = DistributedDataParallel

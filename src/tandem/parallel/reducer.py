@@ -392,6 +392,38 @@ class Reducer:
         if not write_back_now:
             self._write_back(range(len(self.params)), used)
 
+    def shadow_backward(self) -> None:
+        """On a rank that ran out of inputs (join): this backward's collectives, with zeros.
+
+        The same collectives in the same order as a training rank's backward: one per bucket
+        (through the communication hook, if any, each after the previous hook's future is
+        done) and the end-of-backward check. Fresh zero buffers: with gradient_as_bucket_view
+        the real buckets are this rank's ``.grad``, which must be left alone.
+        """
+        futures: list[Any] = []
+        for bucket in self.buckets:
+            zeros = torch.zeros_like(bucket.flat)
+            if self.hook is None:
+                futures.append(dist.all_reduce(zeros, group=self.group, async_op=True))
+                continue
+            if futures:
+                futures[-1].wait()
+            views = [zeros[o : o + v.numel()].view_as(v) for o, v in _offsets(bucket.views)]
+            params = [self.params[i] for i in bucket.params]
+            is_last = bucket.index == len(self.buckets) - 1
+            futures.append(
+                self.hook(self.hook_state, GradBucket(bucket.index, zeros, params, views, is_last))
+            )
+        for fut in futures:
+            fut.wait()
+        if self._recording():
+            # The training ranks rebuild their buckets at their next forward; so must this one,
+            # to answer that broadcast (rank 0's order wins; this one's is a placeholder).
+            self.ready_order = list(reversed(range(len(self.params))))
+        self.backwards += 1
+        self.used = [False] * len(self.params)
+        self._check([], self.find_unused or (self.static_graph and self.backwards == 1))
+
     def _write_back(self, indices: Sequence[int], used: list[bool] | None) -> None:
         """Give parameters ``indices`` their mean gradient (``used``: who had one anywhere)."""
         grads, means = [], []
@@ -473,3 +505,12 @@ def _reachable_params(outputs: list[torch.Tensor]) -> set[int]:
             reached.add(id(variable))
         stack.extend(next_fn for next_fn, _ in fn.next_functions if next_fn is not None)
     return reached
+
+
+def _offsets(views: Sequence[torch.Tensor]) -> list[tuple[int, torch.Tensor]]:
+    """(offset in the flat buffer, view) for views laid back to back."""
+    out, offset = [], 0
+    for v in views:
+        out.append((offset, v))
+        offset += v.numel()
+    return out

@@ -1,0 +1,118 @@
+"""Uneven inputs: ranks that ran out of data shadow the collectives of those still training.
+
+A rank with fewer batches leaves its loop early; the others would then wait forever in their
+next gradient all-reduce. Inside ``tandem.join([model])`` (torch's ``Join`` context manager, to
+which tandem.DDP is a ``Joinable``), a rank that has left its loop keeps answering, iteration by
+iteration, every collective the others issue:
+
+1. each forward of a training rank announces "not joined yet" (an all-reduce of 1) and the
+   joined ranks learn how many are still training from the same all-reduce (they add 0);
+2. the bucket rebuild's broadcast, the buffer broadcast (from the highest rank still training:
+   rank 0 may have stopped with stale statistics) and "will this backward sync" are matched;
+3. each gradient bucket is all-reduced with zeros (through the communication hook, if any), and
+   so is tandem's end-of-backward check: the mean is the sum over the training ranks divided by
+   the initial world size (or by the ranks still training, ``divide_by_initial_world_size=False``);
+4. once every rank has joined, the parameters and buffers of the last rank to join (the highest
+   such rank) are broadcast, so that every replica ends identical.
+
+The order of these collectives is torch's DDP's, so a loop written for torch's ``Join`` works
+unchanged, and both engines give the same bits (tests/distributed/test_ddp_join.py).
+
+Example::
+
+    with tandem.join([model]):
+        for x, y in my_shard:            # ranks may hold different numbers of batches
+            loss_fn(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
+
+from tandem._dist import group_rank
+
+if TYPE_CHECKING:
+    from tandem.parallel.ddp import DistributedDataParallel
+
+
+def join(
+    joinables: Joinable | Sequence[Joinable],
+    *,
+    enable: bool = True,
+    throw_on_early_termination: bool = False,
+    divide_by_initial_world_size: bool = True,
+) -> Join:
+    """A context manager in which ranks may run out of inputs at different steps.
+
+    Args:
+        joinables: tandem.DDP models (and any other torch ``Joinable``, such as
+            ``ZeroRedundancyOptimizer``) used in the loop.
+        enable: False makes the context a no-op (for code that only sometimes needs it).
+        throw_on_early_termination: raise ``RuntimeError`` on every rank as soon as one rank
+            runs out, instead of shadowing it.
+        divide_by_initial_world_size: the mean divides by the world size even when some ranks
+            have joined (their zeros count, torch's default), or else by the ranks still
+            training.
+
+    Example::
+
+        with tandem.join([model], throw_on_early_termination=True):
+            for batch in loader:
+                ...
+    """
+    if isinstance(joinables, Joinable):
+        joinables = [joinables]
+    return Join(
+        list(joinables),
+        enable=enable,
+        throw_on_early_termination=throw_on_early_termination,
+        divide_by_initial_world_size=divide_by_initial_world_size,
+    )
+
+
+class DDPJoinHook(JoinHook):
+    """What a tandem.DDP rank does each iteration after it ran out (see the module docstring)."""
+
+    def __init__(self, ddp: DistributedDataParallel, divide_by_initial_world_size: bool) -> None:
+        self.ddp = ddp
+        ddp.divide_by_initial_world_size = divide_by_initial_world_size
+
+    def main_hook(self) -> None:
+        """Shadow one forward and backward of the ranks still training."""
+        ddp = self.ddp
+        ddp.reducer.rebuild()
+        ddp.sync_buffers(training=False)
+        if not ddp.announce_sync(joined=True):
+            return  # the others are under no_sync: no gradient collectives this iteration
+        ddp.reducer.shadow_backward()
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        """Every rank takes the model of the last rank to join."""
+        ddp = self.ddp
+        src = common_rank(ddp, is_last_joiner)
+        ddp.sync_params_and_buffers(src=src)
+        ddp.divide_by_initial_world_size = True
+        ddp.reducer.scale = 1.0 / ddp.reducer.world_size
+
+
+def common_rank(ddp: DistributedDataParallel, candidate: bool) -> int:
+    """The highest group rank among the ranks passing ``candidate=True`` (one all-reduce)."""
+    rank = group_rank(ddp.process_group)
+    t = torch.tensor([rank if candidate else -1], device=ddp.join_device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ddp.process_group)
+    chosen = int(t.item())
+    assert chosen >= 0, "no rank was a candidate"
+    return chosen
+
+
+def training_ranks(work: Any) -> int:
+    """Ranks still training, from the all-reduce that announced this one (Join's work handle)."""
+    work.wait()
+    return int(work.result()[0].item())
