@@ -128,19 +128,15 @@ class DistributedDataParallel(nn.Module, Joinable):
         """Ranks averaged over."""
         return group_size(self.process_group)
 
+    # Under torch.compile only the wrapped module is traced: this frame runs eagerly, and its
+    # per-step work (the collectives, the bucket rebuild, the reducer's bookkeeping) happens in
+    # the two functions below, which dynamo never enters. No graph break comes from tandem, and
+    # the module's own graph is the same as without the wrapper. (torch's DDP is special-cased
+    # inside dynamo to the same effect.)
+    @torch.compiler.disable(recursive=False)
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Run the module; with grad enabled, arm the reducer for the coming backward."""
-        training = torch.is_grad_enabled() and bool(self.reducer.params)
-        # Inside a join context, tell the ranks that ran out of data that this one has not.
-        announced = Join.notify_join_context(self)
-        if training:
-            self.reducer.check_previous_step()
-            self.reducer.rebuild()
-            self.sync_buffers(training=True)
-            if announced is not None and not self.divide_by_initial_world_size:
-                self.reducer.scale = 1.0 / training_ranks(announced)
-        if self._join_config.enable:
-            self.announce_sync(joined=False)
+        training = self._before_forward()
         if self.device is not None:
             device = self.device
             inputs, kwargs = map_tensors(
@@ -148,8 +144,28 @@ class DistributedDataParallel(nn.Module, Joinable):
             )
         output = self.module(*inputs, **kwargs)
         if training:
-            self.reducer.prepare(output, sync=self.require_backward_grad_sync)
+            self._after_forward(output)
         return output
+
+    @torch.compiler.disable
+    def _before_forward(self) -> bool:
+        training = torch.is_grad_enabled() and bool(self.reducer.params)
+        # Inside a join context, tell the ranks that ran out of data that this one has not.
+        announced = Join.notify_join_context(self)
+        if training:
+            self.reducer.progress.step += 1
+            self.reducer.check_previous_step()
+            self.reducer.rebuild()
+            self.sync_buffers(training=True)
+            if announced is not None and not self.divide_by_initial_world_size:
+                self.reducer.scale = 1.0 / training_ranks(announced)
+        if self._join_config.enable:
+            self.announce_sync(joined=False)
+        return training
+
+    @torch.compiler.disable
+    def _after_forward(self, output: Any) -> None:
+        self.reducer.prepare(output, sync=self.require_backward_grad_sync)
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -203,7 +219,12 @@ class DistributedDataParallel(nn.Module, Joinable):
         if not self.broadcast_buffers or not self._buffers_to_sync:
             return
         src = common_rank(self, training) if self._join_config.enable else 0
-        broadcast_coalesced(self._buffers_to_sync, self.process_group, src=src)
+        broadcast_coalesced(
+            self._buffers_to_sync, self.process_group, src=src, wait=self._wait_buffers
+        )
+
+    def _wait_buffers(self, work: dist.Work) -> None:
+        self.reducer.wait(work, "buffer broadcast")
 
     def announce_sync(self, joined: bool) -> bool:
         """Inside a join context: all-reduce whether this iteration's backward syncs.

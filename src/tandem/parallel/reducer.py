@@ -3,8 +3,10 @@
 One iteration, as the reducer sees it:
 
 1. ``prepare()`` (end of forward): arm the coming backward; with find_unused_parameters, walk
-   the autograd graph from the outputs and note the parameters it cannot reach; hook the outputs
-   so that the end-of-backward callback is queued on the backward the *user* started.
+   the autograd graph from the outputs and note the parameters it cannot reach (unused, or,
+   behind a custom autograd Function such as reentrant checkpointing, unused unless a gradient
+   comes); hook the outputs so that the end-of-backward callback is queued on the backward the
+   *user* started.
 2. Per parameter, a post-accumulate-grad hook fires once its ``.grad`` is final for this
    backward, and the bucket's pending count drops.
 3. A bucket whose count reaches zero is filled (its gradients copied in, divided by the world
@@ -37,9 +39,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.autograd import Variable
+from torch.autograd.function import BackwardCFunction
 
 from tandem import _tree
 from tandem._dist import gather_objects, global_rank, group_size
+from tandem.parallel import lockstep
 from tandem.parallel.buckets import MIB, Bucket, assign_buckets, build_buckets
 from tandem.parallel.comm_hooks import CommHook, GradBucket, completed
 
@@ -105,6 +109,9 @@ class Reducer:
         self.as_view = gradient_as_bucket_view
         self.hook: CommHook | None = None
         self.hook_state: Any = None
+        # Training steps started, and a wait on every collective that names a rank that can
+        # never join the current step (one that ran out of data), instead of a 30-minute hang.
+        self.progress = lockstep.track(group)
         # Divide while copying in: one pass over memory, and torch's exact bits.
         self.scale = 1.0 / self.world_size
 
@@ -130,6 +137,7 @@ class Reducer:
         self.futures: list[torch.futures.Future | dist.Work | None] = []
         self.finalize_queued = False
         self.unused: list[int] = []
+        self.deferred: list[int] = []  # unreached, but maybe behind a custom autograd Function
         self.used = [False] * len(self.params)  # survives no_sync iterations, as torch's map
         # static_graph: hook firings per parameter in the first backward, and in this one.
         self.expected_fires: list[int] | None = None
@@ -206,10 +214,15 @@ class Reducer:
             return False
         self.rebuilt = True
         seen = set(self.ready_order)
-        order = self.ready_order + [i for i in reversed(range(len(self.params))) if i not in seen]
+        # Parameters that got no gradient (static_graph's unused) go last in index order, where
+        # torch appends them: the same buckets, so the same sums in Gloo's ring, bit for bit.
+        order = self.ready_order + [i for i in range(len(self.params)) if i not in seen]
         if self.world_size > 1:
             t = torch.tensor(order, dtype=torch.int64, device=self.params[0].device)
-            dist.broadcast(t, src=global_rank(self.group, 0), group=self.group)
+            work = dist.broadcast(
+                t, src=global_rank(self.group, 0), group=self.group, async_op=True
+            )
+            self.wait(work, "bucket rebuild broadcast")
             order = t.tolist()
         layout = self._layout(order)
         if layout == self.layout:
@@ -241,10 +254,18 @@ class Reducer:
         if self.static_graph:
             self.fires = [0] * len(self.params)
         found = _tree.tensors(outputs)
-        self.unused = []
+        self.unused, self.deferred = [], []
         if self.find_unused:
-            reached = _reachable_params(found)
-            self.unused = [i for i, p in enumerate(self.params) if id(p) not in reached]
+            reached, opaque = _reachable_params(found)
+            unreached = [i for i, p in enumerate(self.params) if id(p) not in reached]
+            # A custom autograd Function may run a backward of its own through parameters that
+            # its node does not show (reentrant checkpointing does): marked unused now, such a
+            # parameter's gradient would come later and count twice. Behind such a node the
+            # unreached are reduced at the end of backward instead, if no gradient came.
+            if opaque:
+                self.deferred = unreached
+            else:
+                self.unused = unreached
         # The end-of-backward callback must be queued on the backward that the user started.
         # A parameter hook may fire inside a nested backward (reentrant checkpointing runs one
         # per checkpointed block), and a callback queued there would run when that inner
@@ -282,6 +303,8 @@ class Reducer:
                     return  # first backward: everything is reduced at its end
                 if self.fires[i] != self.expected_fires[i]:
                     return  # more gradients to come for this parameter
+            if self._recording():
+                self.ready_order.append(i)  # real gradients only: the unused are not in order
             self._mark(i)
         elif phase is Phase.ACCUMULATE:
             self.used[i] = True
@@ -295,8 +318,6 @@ class Reducer:
                 "iteration, call backward once per forward, or use no_sync()"
             )
         self.marked[i] = True
-        if self._recording():
-            self.ready_order.append(i)
         bucket = self.bucket_of[i]
         bucket.pending -= 1
         if bucket.pending == 0 or self.held:
@@ -350,6 +371,9 @@ class Reducer:
     def _finalize(self) -> None:
         self.phase = Phase.IDLE
         self.finalize_queued = False
+        for i in self.deferred:
+            if not self.marked[i]:
+                self._mark(i)  # unused after all: launch its bucket, with zeros for it
         first_static = self.static_graph and self.expected_fires is None
         if first_static:
             self.expected_fires = list(self.fires)
@@ -367,7 +391,7 @@ class Reducer:
                     self.futures[k - 1].wait()  # type: ignore[union-attr]
                 fut = self.futures[k] = self._launch(bucket)
             if isinstance(fut, dist.Work):
-                fut.wait()  # reduced in place
+                self.wait(fut, f"gradient all-reduce, bucket {k}")  # reduced in place
             else:
                 result = fut.wait()
                 if isinstance(result, list):  # a hook returned work.get_future() as is
@@ -391,6 +415,10 @@ class Reducer:
         self.used = [False] * len(self.params)
         if not write_back_now:
             self._write_back(range(len(self.params)), used)
+
+    def wait(self, work: dist.Work, what: str) -> None:
+        """Wait for one of this model's collectives (see ``lockstep``)."""
+        lockstep.wait(work, self.progress, what)
 
     def shadow_backward(self) -> None:
         """On a rank that ran out of inputs (join): this backward's collectives, with zeros.
@@ -455,7 +483,7 @@ class Reducer:
             return list(self.used) if agree_used else None
         values = [len(missing)] + ([int(u) for u in self.used] if agree_used else [])
         t = torch.tensor(values, dtype=torch.int32, device=device)
-        dist.all_reduce(t, group=self.group)
+        self.wait(dist.all_reduce(t, group=self.group, async_op=True), "end-of-backward check")
         if device.type == "cpu" or agree_used:
             counts = t.tolist()
             if counts[0] != 0:
@@ -490,11 +518,13 @@ class Reducer:
         )
 
 
-def _reachable_params(outputs: list[torch.Tensor]) -> set[int]:
-    """ids of the parameters whose gradient accumulators the graph of ``outputs`` reaches."""
+def _reachable_params(outputs: list[torch.Tensor]) -> tuple[set[int], bool]:
+    """ids of the parameters whose gradient accumulators the graph of ``outputs`` reaches,
+    and whether the graph holds a custom autograd Function (which may hide more)."""
     stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
     seen: set[Any] = set()
     reached: set[int] = set()
+    opaque = False
     while stack:
         fn = stack.pop()
         if fn in seen:
@@ -503,8 +533,9 @@ def _reachable_params(outputs: list[torch.Tensor]) -> set[int]:
         variable = getattr(fn, "variable", None)
         if variable is not None:
             reached.add(id(variable))
+        opaque = opaque or isinstance(fn, BackwardCFunction)
         stack.extend(next_fn for next_fn, _ in fn.next_functions if next_fn is not None)
-    return reached
+    return reached, opaque
 
 
 def _offsets(views: Sequence[torch.Tensor]) -> list[tuple[int, torch.Tensor]]:

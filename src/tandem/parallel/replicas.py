@@ -13,7 +13,7 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -213,12 +213,16 @@ def _as_device(entry: int | str | torch.device, device_type: str) -> torch.devic
 
 
 def broadcast_coalesced(
-    tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None = None, src: int = 0
+    tensors: Sequence[torch.Tensor],
+    group: dist.ProcessGroup | None = None,
+    src: int = 0,
+    wait: Callable[[dist.Work], None] = dist.Work.wait,
 ) -> None:
     """Overwrite ``tensors`` on every rank with group rank ``src``'s values.
 
     Tensors travel as raw bytes, so that every dtype shares one flat buffer: a model's buffers
     (float statistics and integer counters) cost one collective per forward, not one per dtype.
+    ``wait(work)`` waits for each broadcast (DDP's checks that the ranks are still in step).
 
     Example::
 
@@ -230,7 +234,7 @@ def broadcast_coalesced(
     receiving = group_rank(group) != src
     for chunk in _chunks(tensors):
         flat = torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for t in chunk])
-        dist.broadcast(flat, src=global_src, group=group)
+        wait(dist.broadcast(flat, src=global_src, group=group, async_op=True))
         if not receiving:
             continue
         offset = 0
