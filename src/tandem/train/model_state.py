@@ -15,10 +15,17 @@ unwrapped model, and into a sharded one at any world size. The sharded format ne
 no rank holds more than its own shards, and it loads only at the world size that wrote it.
 Gathering is a collective, so every function here is called on every rank.
 
+The engine that wraps the model keeps state of its own: :class:`tandem.DDP` learns its bucket
+order from the first backward. :func:`engine_state` and :func:`restore_engine` carry it (rank
+0's, the order its rebuild broadcasts), so that a resumed run sums its gradients in the same
+buckets as the run it continues: Gloo's sum of three or more ranks rounds differently when the
+bucket boundaries move.
+
 Example::
 
     main, shard = capture(model, optimizer, sharded=True)   # shard: this rank's own file
     restore(model, optimizer, main, shard)
+    restore_engine(ddp_model, engine_state(ddp_model))     # before the first forward
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tandem.parallel.ddp import DistributedDataParallel
 from tandem.parallel.fsdp import FullyShardedDataParallel
 from tandem.parallel.zero import ShardedOptimizer
 
@@ -104,3 +112,22 @@ def restore(
         optimizer.load_full_state_dict(main["optimizer"])
     else:
         optimizer.load_state_dict(main["optimizer"])
+
+
+def engine_state(model: nn.Module) -> dict[str, Any] | None:
+    """The wrapping engine's own state: tandem.DDP's bucket order; None for the other engines."""
+    if isinstance(model, DistributedDataParallel):
+        return model.reducer.state_dict()
+    return None
+
+
+def restore_engine(model: nn.Module, state: dict[str, Any] | None) -> None:
+    """Load :func:`engine_state`'s ``state`` into ``model``, before its first forward.
+
+    ``state`` None (a checkpoint written before engines saved theirs, or by a plain model) leaves
+    the engine as built: it then learns its buckets again, and a resumed run of three or more
+    ranks equals the uninterrupted one to rounding only. A state saved by tandem.DDP is ignored
+    by another engine.
+    """
+    if state is not None and isinstance(model, DistributedDataParallel):
+        model.reducer.load_state_dict(state)

@@ -5,6 +5,8 @@ A checkpoint (written by :func:`tandem.train.checkpoint.save_checkpoint`, rank 0
     model        the unwrapped module's state_dict (gathered when sharded; see model_state.py)
     optimizer    optimizer.state_dict() (gathered as a plain optimizer's when sharded)
     shards       None, or in the sharded format every rank's shard file digest (shard_files.py)
+    engine       the engine's own state (tandem.DDP's bucket order) or None; absent from
+                 checkpoints of older versions, which still load
     scheduler    scheduler.state_dict() or None
     scaler       grad scaler's state_dict() or None
     sampler      the sampler's state, its position = batches handed out x batch_size
@@ -23,7 +25,10 @@ Why each piece is needed for a resumed run to end bitwise equal to the uninterru
 - each rank restores its own RNG states just before training goes on, and the loaders own
   their generators (:mod:`tandem.train.loaders`), so no iterator made after the resume draws
   from the generator that dropout draws from;
-- the epoch's running loss sums are saved per rank, so even the reported losses repeat.
+- the epoch's running loss sums are saved per rank, so even the reported losses repeat;
+- tandem.DDP's buckets, learnt from the run's first backward, are put back before the first
+  forward: a fresh engine would start with one bucket, and with three or more ranks Gloo's sum
+  of an element rounds differently when the bucket boundaries around it move.
 
 Every function here is called on every rank at the same point, and every error is raised on
 every rank: rank 0's verdicts (a run directory it cannot write, a checkpoint it cannot read or
@@ -48,7 +53,7 @@ from tandem.train.checkpoint import (
 )
 from tandem.train.collective import from_rank0, gather_objects
 from tandem.train.metrics_log import write_metrics
-from tandem.train.model_state import capture, restore
+from tandem.train.model_state import capture, engine_state, restore
 from tandem.train.rng import capture_rng_state
 from tandem.train.shard_files import prune_shards, read_shard, write_shard
 
@@ -109,6 +114,7 @@ def save(trainer: Trainer) -> Path:
             "model": main["model"],
             "optimizer": main["optimizer"],
             "shards": None if shard is None else {"sha256": [r["shard"][1] for r in ranks]},
+            "engine": engine_state(trainer.model),
             "scheduler": None if trainer.scheduler is None else trainer.scheduler.state_dict(),
             "scaler": None if trainer.scaler is None else trainer.scaler.state_dict(),
             "sampler": _sampler_state(trainer),
@@ -239,6 +245,9 @@ def _restore(trainer: Trainer, payload: dict[str, Any]) -> None:
     trainer.history = list(state["history"])
     trainer.last_checkpoint = Path(path)
     trainer._rng_to_restore = state["rng"][rank]
+    # The engine is built after this (it broadcasts the loaded parameters): the Trainer
+    # restores its state then, before the first forward.
+    trainer._engine_to_restore = state.get("engine")
     if trainer.world.is_main:
         # Drop the lines of epochs after the checkpoint (a resume from an older one).
         write_metrics(trainer.run_dir, trainer.history)

@@ -35,7 +35,7 @@ from tandem.train.collective import wait_for_all
 from tandem.train.evaluation import evaluate
 from tandem.train.loaders import make_loaders
 from tandem.train.metrics_log import Summary, epoch_line, plot_metrics, write_metrics
-from tandem.train.model_state import check_set_up
+from tandem.train.model_state import check_set_up, restore_engine
 from tandem.train.progress import Progress
 from tandem.train.requests import Agreement, Requests
 from tandem.train.rng import restore_rng_state
@@ -56,8 +56,9 @@ class Trainer:
     step boundary after SIGTERM (then ``train()`` returns, ``stopped_by="SIGTERM"``) or SIGUSR1
     (training goes on), all ranks agreeing on the step first. The newest ``keep_checkpoints``
     are kept. ``resume="latest"`` continues from the newest one, if there is one: model,
-    optimizer, scheduler, grad scaler, epoch, step, the sampler's place in the epoch and every
-    rank's RNG states, so the run ends bitwise where the uninterrupted run would.
+    optimizer, scheduler, grad scaler, epoch, step, the sampler's place in the epoch, every
+    rank's RNG states and tandem.DDP's bucket order, so the run ends bitwise where the
+    uninterrupted run would.
 
     Batches are ``(inputs, targets)``; ``loss_fn(model(inputs), targets)`` is the batch's mean
     loss. Evaluation reports the mean loss and, when outputs are class scores for integer
@@ -215,6 +216,7 @@ class Trainer:
         self.history: list[dict[str, Any]] = []
         self.last_checkpoint: Path | None = None
         self._rng_to_restore: dict[str, Any] | None = None
+        self._engine_to_restore: dict[str, Any] | None = None
         self._requests = Requests()
         if resume is not None:
             snapshot.resume(self, resume)
@@ -224,6 +226,8 @@ class Trainer:
         self.model: nn.Module = self.module
         if self.world.world_size > 1 and not isinstance(model, FullyShardedDataParallel):
             self.model = DistributedDataParallel(self.module, **(ddp_kwargs or {}))
+        # The buckets the run had learnt, before the first forward would start learning anew.
+        restore_engine(self.model, self._engine_to_restore)
 
     def train(self, max_epochs: int | None = None) -> Summary:
         """Train until ``max_epochs`` (default: the constructor's), or a stop request.
