@@ -65,7 +65,27 @@ def convnet() -> nn.Module:
     )
 
 
-MODELS = {"mlp": (mlp, (784,), 64), "convnet": (convnet, (3, 32, 32), 32)}
+def deep(tensors: int, width: int):
+    """``tensors / 2`` layers of Linear(width, width) + Tanh: many small parameter tensors,
+    where the engine's per-parameter cost is all there is (a GPT-2 has ~150 tensors, a 7B
+    Llama ~290)."""
+
+    def build() -> nn.Module:
+        layers: list[nn.Module] = []
+        for _ in range(tensors // 2):
+            layers += [nn.Linear(width, width), nn.Tanh()]
+        return nn.Sequential(*layers)
+
+    return build
+
+
+MODELS = {
+    "mlp": (mlp, (784,), 64),
+    "convnet": (convnet, (3, 32, 32), 32),
+    "deep_200x16": (deep(200, 16), (16,), 8),
+    "deep_800x16": (deep(800, 16), (16,), 8),
+    "deep_800x256": (deep(800, 256), (256,), 8),
+}
 ENGINES = ("tandem", "torch")
 
 
@@ -132,6 +152,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
         ratios = [a / b for a, b in zip(rate["tandem"], rate["torch"], strict=True)]
         report[name] = {
             "params": sum(p.numel() for p in factory().parameters()),
+            "tensors": len(list(factory().parameters())),
             "batch_per_rank": batch,
             "samples_per_s": {e: statistics.median(rate[e]) for e in ENGINES},
             "rounds_samples_per_s": rate,
@@ -182,13 +203,13 @@ def main(argv: list[str] | None = None) -> dict:
         f"DDP throughput, {meta['world']} ranks, {meta['backend']}, {meta['device']}, "
         f"{args.pairs} pairs x {args.steps} steps (median samples/s)"
     )
-    print("| model | params | tandem.DDP | torch DDP | tandem/torch |")
-    print("|---|---:|---:|---:|---:|")
+    print("| model | tensors | params | tandem.DDP | torch DDP | tandem/torch |")
+    print("|---|---:|---:|---:|---:|---:|")
     for name, r in report.items():
         s = r["samples_per_s"]
         print(
-            f"| {name} | {r['params'] / 1e6:.2f} M | {s['tandem']:.0f} | {s['torch']:.0f} | "
-            f"{r['ratio_tandem_over_torch']:.3f} |"
+            f"| {name} | {r['tensors']} | {r['params'] / 1e6:.2f} M | {s['tandem']:.0f} | "
+            f"{s['torch']:.0f} | {r['ratio_tandem_over_torch']:.3f} |"
         )
     print(f"JSON: {args.json}")
     return result

@@ -76,16 +76,7 @@ def track(group: dist.ProcessGroup | None) -> Progress:
 
 def wait(work: dist.Work, progress: Progress, what: str) -> None:
     """``work.wait()``, but a wait that lasts checks that every rank is still in step."""
-    try:
-        work.wait(timeout=_SLICE)
-        return
-    except RuntimeError as e:
-        if not _timed_out(e):
-            _explain_failure(progress, what, e)
-            raise
-    progress.waiting = what
-    started = time.monotonic()
-    next_check = started + CHECK_AFTER_S
+    next_check = None
     try:
         while True:
             try:
@@ -95,8 +86,12 @@ def wait(work: dist.Work, progress: Progress, what: str) -> None:
                 if not _timed_out(e):
                     _explain_failure(progress, what, e)
                     raise
-            if time.monotonic() >= next_check:
-                _check(progress, what, time.monotonic() - started)
+            now = time.monotonic()
+            if next_check is None:  # the first slice ran out: from now on, this rank waits
+                progress.waiting = what
+                next_check = now + CHECK_AFTER_S
+            elif now >= next_check:
+                _check(progress, what)
                 next_check = time.monotonic() + CHECK_AFTER_S
     finally:
         progress.waiting = None
@@ -114,14 +109,12 @@ def _explain_failure(progress: Progress, what: str, error: RuntimeError) -> None
         raise RanksOutOfStepError(found) from error
 
 
-def _check(progress: Progress, what: str, waited: float) -> None:
+def _check(progress: Progress, what: str) -> None:
     found = _survey(progress, what)
     if found:
         _Answerer.stuck = True
         raise RanksOutOfStepError(found)
-    log.debug(
-        "rank waits %.0f s in %s (step %d); every rank is in step", waited, what, progress.step
-    )
+    log.debug("rank waits in %s (step %d); every rank is in step", what, progress.step)
 
 
 def _survey(progress: Progress, what: str) -> str | None:
