@@ -13,6 +13,14 @@ def mlp(seed: int = 0, dtype: torch.dtype = torch.float64) -> nn.Module:
     ).to(dtype)
 
 
+def wide(seed: int = 0, dtype: torch.dtype = torch.float64) -> nn.Module:
+    """Large gradients (a 512 x 512 layer): the reducer copies these in one by one, fused."""
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(10, 512), nn.Tanh(), nn.Linear(512, 512), nn.Tanh(), nn.Linear(512, 3)
+    ).to(dtype)
+
+
 class ConvBN(nn.Module):
     """A conv net with BatchNorm: buffers that must be synchronized."""
 

@@ -5,10 +5,10 @@ Oracles:
   (float64, within 1e-10), with SGD+momentum and Adam, since the mean of the per-rank mean
   losses' gradients is the full batch's gradient;
 - torch.nn.parallel.DistributedDataParallel on the same seeds and data: bit-for-bit the same
-  parameters and buffers after k steps, for an MLP, a conv net with BatchNorm, a model whose
-  branches sit out some steps (find_unused_parameters), gradient accumulation with no_sync,
-  bf16 compression against torch's bf16_compress_hook, many small buckets, and
-  gradient_as_bucket_view.
+  parameters and buffers after k steps, for an MLP, one with large gradients (copied in one by
+  one, the division fused), a conv net with BatchNorm, a model whose branches sit out some
+  steps (find_unused_parameters), gradient accumulation with no_sync, bf16 compression against
+  torch's bf16_compress_hook, many small buckets, and gradient_as_bucket_view.
 World sizes 2, 3 and 4 (3 splits the buffer unevenly in Gloo), real processes, Gloo.
 """
 
@@ -70,6 +70,7 @@ def _use_for(step: int, rank: int) -> str:
 CASES = {
     # name: (model factory, input shape, tandem kwargs, torch kwargs, dtype)
     "mlp": (models.mlp, (10,), {}, {}),
+    "wide": (models.wide, (10,), {}, {}),
     "conv_bn": (models.conv_bn, (1, 6, 6), {}, {}),
     "unused": (
         models.branchy,

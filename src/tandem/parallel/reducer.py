@@ -53,6 +53,11 @@ DEFAULT_BUCKET_MB = 25.0
 DEFAULT_FIRST_BUCKET_MB = 1.0
 
 
+# Gradients of at least this many elements, on average in a bucket, are copied in one by one
+# with the division fused (one pass over memory); smaller ones in one call per bucket.
+LARGE_GRADIENT = 16384
+
+
 class UnusedParametersError(RuntimeError):
     """Some rank finished backward without a gradient for some parameters."""
 
@@ -134,6 +139,8 @@ class Reducer:
         self.marked = [False] * len(self.params)
         self.next_bucket = 0
         self.held = False  # a ready bucket waits for its predecessor's hook future
+        self.check_work: dist.Work | None = None  # the end-of-backward check, once launched
+        self.recording = False  # this backward's ready order is the one buckets are rebuilt in
         self.futures: list[torch.futures.Future | dist.Work | None] = []
         self.finalize_queued = False
         self.unused: list[int] = []
@@ -164,6 +171,7 @@ class Reducer:
 
     def _install(self, layout: list[list[int]]) -> None:
         self.buckets: list[Bucket] = build_buckets(layout, self.params)
+        self.large = [b.flat.numel() >= LARGE_GRADIENT * len(b.params) for b in self.buckets]
         self.bucket_of = [self.buckets[0]] * len(self.params)
         self.views: list[torch.Tensor] = [torch.empty(0)] * len(self.params)
         for bucket in self.buckets:
@@ -249,6 +257,7 @@ class Reducer:
         self.held = False
         self.futures = [None] * len(self.buckets)
         self.finalize_queued = False
+        self.recording = self._recording()
         for bucket in self.buckets:
             bucket.pending = len(bucket.params)
         if self.static_graph:
@@ -303,7 +312,7 @@ class Reducer:
                     return  # first backward: everything is reduced at its end
                 if self.fires[i] != self.expected_fires[i]:
                     return  # more gradients to come for this parameter
-            if self._recording():
+            if self.recording:
                 self.ready_order.append(i)  # real gradients only: the unused are not in order
             self._mark(i)
         elif phase is Phase.ACCUMULATE:
@@ -333,9 +342,17 @@ class Reducer:
                 return  # retried at the next gradient, or in _finalize
             futures[k] = self._launch(buckets[k])
             self.next_bucket = k + 1
+        if (
+            self.next_bucket == len(buckets)
+            and self.hook is None
+            and self.world_size > 1
+            and self.check_work is None
+        ):
+            # Every gradient is in (none missed), and no hook will issue more collectives.
+            self._launch_check(0, self.find_unused)
 
-    def _fill(self, bucket: Bucket) -> None:
-        """Copy the bucket's gradients in (zeros where a parameter has none)."""
+    def _fill(self, bucket: Bucket, scale: float | None) -> None:
+        """Copy the bucket's gradients in, times ``scale`` if given (zeros where none)."""
         params = self.params
         grads = [params[i].grad for i in bucket.params]
         if self.as_view:
@@ -346,15 +363,24 @@ class Reducer:
                 elif grad.data_ptr() != view.data_ptr():
                     view.copy_(grad)
                     params[i].grad = view
-        elif all(g is not None for g in grads):
-            torch._foreach_copy_(bucket.views, grads)  # one call per bucket, not per gradient
-        else:
+        elif any(g is None for g in grads):
             for view, grad in zip(bucket.views, grads, strict=True):
                 view.zero_() if grad is None else view.copy_(grad)
+        elif scale is not None and self.large[bucket.index]:
+            # Large gradients: memory-bound, so one pass each (the division fused into the
+            # copy, as torch does) beats one call for the bucket and a second pass.
+            for view, grad in zip(bucket.views, grads, strict=True):
+                torch.mul(grad, scale, out=view)
+            return
+        else:
+            # Small gradients: the cost is per call, so one call for the bucket.
+            torch._foreach_copy_(bucket.views, grads)
+        if scale is not None:
+            bucket.flat.mul_(scale)
 
     def _launch(self, bucket: Bucket) -> torch.futures.Future | dist.Work:
-        self._fill(bucket)
         if self.hook is not None:
+            self._fill(bucket, None)
             is_last = bucket.index == len(self.buckets) - 1
             grads = GradBucket(
                 bucket.index, bucket.flat, [self.params[i] for i in bucket.params],
@@ -362,8 +388,9 @@ class Reducer:
             )  # fmt: skip
             return self.hook(self.hook_state, grads)
         if self.world_size == 1:
+            self._fill(bucket, None)
             return completed(bucket.flat)
-        bucket.flat.mul_(self.scale)
+        self._fill(bucket, self.scale)
         # The default path keeps the Work, not work.get_future(): waiting on the future costs
         # measurably more CPU per bucket with Gloo (benchmarks/ddp_throughput.py).
         return dist.all_reduce(bucket.flat, group=self.group, async_op=True)
@@ -407,7 +434,9 @@ class Reducer:
         # group's threads busy with their tensors while the interpreter shuts down.
         self.futures = []
         self.backwards += 1
-        used = self._check(missing, agree_used)
+        if self.check_work is None:
+            self._launch_check(len(missing), agree_used)
+        used = self._read_check(missing, agree_used)
         if first_static:
             self.static_used = used
         elif self.static_used is not None:
@@ -450,7 +479,9 @@ class Reducer:
             self.ready_order = list(reversed(range(len(self.params))))
         self.backwards += 1
         self.used = [False] * len(self.params)
-        self._check([], self.find_unused or (self.static_graph and self.backwards == 1))
+        agree_used = self.find_unused or (self.static_graph and self.backwards == 1)
+        self._launch_check(0, agree_used)
+        self._read_check([], agree_used)
 
     def _write_back(self, indices: Sequence[int], used: list[bool] | None) -> None:
         """Give parameters ``indices`` their mean gradient (``used``: who had one anywhere)."""
@@ -467,24 +498,31 @@ class Reducer:
         if grads:
             torch._foreach_copy_(grads, means)  # one call, not one per parameter
 
-    def _check(self, missing: list[int], agree_used: bool) -> list[bool] | None:
-        """Agree with every rank on missed gradients (and which parameters were used).
+    def _launch_check(self, missing: int, agree_used: bool) -> None:
+        """Start the all-reduce that agrees on missed gradients (and the used parameters).
 
-        One int32 all-reduce, issued after every bucket's collectives (hooks' included) have
-        completed, so it is the same collective at the same place on every rank. A non-zero sum
-        of missed gradients raises on every rank. On a GPU, reading the sum here would make the
-        CPU wait for the GPU every step: it is copied to host memory in the background and read
-        at the next forward, unless the used map is needed now.
+        One int32 all-reduce, issued after every bucket's collectives: by the main thread right
+        after the last bucket when there is no hook (so it overlaps that bucket's transfer),
+        else at the end of backward once every hook's future is done. Either way it is the
+        same collective at the same place on every rank.
         """
-        device = self.params[0].device
-        if self.world_size == 1:
-            if missing:
-                self._raise_missing(missing)
-            return list(self.used) if agree_used else None
-        values = [len(missing)] + ([int(u) for u in self.used] if agree_used else [])
-        t = torch.tensor(values, dtype=torch.int32, device=device)
-        self.wait(dist.all_reduce(t, group=self.group, async_op=True), "end-of-backward check")
-        if device.type == "cpu" or agree_used:
+        values = [missing] + ([int(u) for u in self.used] if agree_used else [])
+        self.check = torch.tensor(values, dtype=torch.int32, device=self.params[0].device)
+        if self.world_size > 1:
+            self.check_work = dist.all_reduce(self.check, group=self.group, async_op=True)
+
+    def _read_check(self, missing: list[int], agree_used: bool) -> list[bool] | None:
+        """Raise on every rank if any rank missed gradients; the used map, if agreed.
+
+        On a GPU, reading the sum here would make the CPU wait for the GPU every step: it is
+        copied to host memory in the background and read at the next forward, unless the used
+        map is needed now.
+        """
+        t, work = self.check, self.check_work
+        self.check_work = None
+        if work is not None:
+            self.wait(work, "end-of-backward check")
+        if t.device.type == "cpu" or agree_used:
             counts = t.tolist()
             if counts[0] != 0:
                 self._raise_missing(missing)
