@@ -8,7 +8,8 @@ Oracles:
   parameters and buffers after k steps, for an MLP, one with large gradients (copied in one by
   one, the division fused), a conv net with BatchNorm, a model whose branches sit out some
   steps (find_unused_parameters), gradient accumulation with no_sync, bf16 compression against
-  torch's bf16_compress_hook, many small buckets, and gradient_as_bucket_view.
+  torch's bf16_compress_hook, many small buckets, and gradient_as_bucket_view (small and large
+  gradients).
 World sizes 2, 3 and 4 (3 splits the buffer unevenly in Gloo), real processes, Gloo.
 """
 
@@ -71,6 +72,12 @@ CASES = {
     # name: (model factory, input shape, tandem kwargs, torch kwargs, dtype)
     "mlp": (models.mlp, (10,), {}, {}),
     "wide": (models.wide, (10,), {}, {}),
+    "wide_view": (
+        models.wide,
+        (10,),
+        {"gradient_as_bucket_view": True},
+        {"gradient_as_bucket_view": True},
+    ),
     "conv_bn": (models.conv_bn, (1, 6, 6), {}, {}),
     "unused": (
         models.branchy,

@@ -195,8 +195,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         """
         if not callable(hook):
             raise ValueError(f"hook={hook!r} is not callable: pass hook(state, bucket) -> Future")
-        self.reducer.hook = hook
-        self.reducer.hook_state = state
+        self.reducer.set_hook(hook, state)
 
     def sync_params_and_buffers(self, src: int = 0) -> None:
         """Overwrite parameters and buffers with group rank ``src``'s (e.g. before evaluating).

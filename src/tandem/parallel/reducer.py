@@ -13,7 +13,8 @@ One iteration, as the reducer sees it:
    size) and launched, but only after every bucket before it: all ranks must issue the same
    collectives in the same order, whatever order their hooks fire in. With a communication
    hook, bucket k+1 is launched only once bucket k's future is done, because hooks such as
-   PowerSGD issue further collectives from that future's callbacks, on another thread.
+   PowerSGD issue further collectives from that future's callbacks, on another thread (the
+   hooks known to issue a single collective are exempt: see ``set_hook``).
 4. ``_finalize()`` (runs once backward is done): launch what is left (zeros for gradients this
    rank never got), wait for every bucket, write the means back into ``.grad``, and agree across
    ranks, in one small all-reduce issued after every bucket's own collectives, on how many
@@ -53,8 +54,10 @@ DEFAULT_BUCKET_MB = 25.0
 DEFAULT_FIRST_BUCKET_MB = 1.0
 
 
-# Gradients of at least this many elements, on average in a bucket, are copied in one by one
-# with the division fused (one pass over memory); smaller ones in one call per bucket.
+# A gradient of at least this many elements is copied into its bucket as soon as it is ready,
+# the division fused (one pass, while the gradient is still in cache: the copy is memory-bound);
+# smaller ones are copied when their bucket is full, in one call per bucket (their cost is the
+# call, not the memory).
 LARGE_GRADIENT = 16384
 
 
@@ -139,8 +142,10 @@ class Reducer:
         self.marked = [False] * len(self.params)
         self.next_bucket = 0
         self.held = False  # a ready bucket waits for its predecessor's hook future
+        self.serial = False  # buckets wait for the previous hook future (see set_hook)
         self.check_work: dist.Work | None = None  # the end-of-backward check, once launched
         self.recording = False  # this backward's ready order is the one buckets are rebuilt in
+        self.fill_scale: float | None = None  # what gradients are multiplied by, copied in
         self.futures: list[torch.futures.Future | dist.Work | None] = []
         self.finalize_queued = False
         self.unused: list[int] = []
@@ -171,7 +176,7 @@ class Reducer:
 
     def _install(self, layout: list[list[int]]) -> None:
         self.buckets: list[Bucket] = build_buckets(layout, self.params)
-        self.large = [b.flat.numel() >= LARGE_GRADIENT * len(b.params) for b in self.buckets]
+        self.eager = [p.numel() >= LARGE_GRADIENT for p in self.params]
         self.bucket_of = [self.buckets[0]] * len(self.params)
         self.views: list[torch.Tensor] = [torch.empty(0)] * len(self.params)
         for bucket in self.buckets:
@@ -258,6 +263,8 @@ class Reducer:
         self.futures = [None] * len(self.buckets)
         self.finalize_queued = False
         self.recording = self._recording()
+        # The division by the world size is folded into the copy, unless a hook does it.
+        self.fill_scale = self.scale if self.hook is None and self.world_size > 1 else None
         for bucket in self.buckets:
             bucket.pending = len(bucket.params)
         if self.static_graph:
@@ -327,6 +334,8 @@ class Reducer:
                 "iteration, call backward once per forward, or use no_sync()"
             )
         self.marked[i] = True
+        if self.eager[i]:
+            self._copy_in(i)
         bucket = self.bucket_of[i]
         bucket.pending -= 1
         if bucket.pending == 0 or self.held:
@@ -337,7 +346,7 @@ class Reducer:
         buckets, futures = self.buckets, self.futures
         while self.next_bucket < len(buckets) and buckets[self.next_bucket].pending == 0:
             k = self.next_bucket
-            self.held = self.hook is not None and k > 0 and not futures[k - 1].done()  # type: ignore[union-attr]
+            self.held = self.serial and k > 0 and not futures[k - 1].done()  # type: ignore[union-attr]
             if self.held:
                 return  # retried at the next gradient, or in _finalize
             futures[k] = self._launch(buckets[k])
@@ -351,36 +360,52 @@ class Reducer:
             # Every gradient is in (none missed), and no hook will issue more collectives.
             self._launch_check(0, self.find_unused)
 
-    def _fill(self, bucket: Bucket, scale: float | None) -> None:
-        """Copy the bucket's gradients in, times ``scale`` if given (zeros where none)."""
-        params = self.params
-        grads = [params[i].grad for i in bucket.params]
-        if self.as_view:
-            for slot, (i, grad) in enumerate(zip(bucket.params, grads, strict=True)):
-                view = bucket.views[slot]
-                if grad is None:
-                    view.zero_()
-                elif grad.data_ptr() != view.data_ptr():
-                    view.copy_(grad)
-                    params[i].grad = view
-        elif any(g is None for g in grads):
-            for view, grad in zip(bucket.views, grads, strict=True):
-                view.zero_() if grad is None else view.copy_(grad)
-        elif scale is not None and self.large[bucket.index]:
-            # Large gradients: memory-bound, so one pass each (the division fused into the
-            # copy, as torch does) beats one call for the bucket and a second pass.
-            for view, grad in zip(bucket.views, grads, strict=True):
-                torch.mul(grad, scale, out=view)
-            return
+    def _copy_in(self, i: int) -> None:
+        """Put parameter ``i``'s gradient, times ``fill_scale``, into its bucket slot."""
+        view, grad, scale = self.views[i], self.params[i].grad, self.fill_scale
+        if grad is None:
+            view.zero_()  # an unused parameter adds zeros to the sum
+        elif grad.data_ptr() == view.data_ptr():  # gradient_as_bucket_view: already there
+            if scale is not None:
+                view.mul_(scale)
         else:
-            # Small gradients: the cost is per call, so one call for the bucket.
-            torch._foreach_copy_(bucket.views, grads)
-        if scale is not None:
-            bucket.flat.mul_(scale)
+            if scale is not None:
+                torch.mul(grad, scale, out=view)
+            else:
+                view.copy_(grad)
+            if self.as_view:
+                self.params[i].grad = view
+
+    def _fill(self, bucket: Bucket) -> None:
+        """Copy in the bucket's gradients not copied in yet, times ``fill_scale``.
+
+        Small gradients cost a call each rather than memory: one call copies them all, one
+        more scales them (with gradient_as_bucket_view most are in place and only scaled).
+        """
+        params, as_view = self.params, self.as_view
+        copy_views, copy_grads, scaled = [], [], []
+        for i, view in zip(bucket.params, bucket.views, strict=True):
+            if self.eager[i] and self.marked[i]:
+                continue  # copied in when it became ready
+            grad = params[i].grad
+            if grad is None:
+                view.zero_()
+                continue
+            scaled.append(view)
+            if as_view and grad.data_ptr() == view.data_ptr():
+                continue
+            copy_views.append(view)
+            copy_grads.append(grad)
+            if as_view:
+                params[i].grad = view
+        if copy_grads:
+            torch._foreach_copy_(copy_views, copy_grads)
+        if scaled and self.fill_scale is not None:
+            torch._foreach_mul_(scaled, self.fill_scale)
 
     def _launch(self, bucket: Bucket) -> torch.futures.Future | dist.Work:
+        self._fill(bucket)
         if self.hook is not None:
-            self._fill(bucket, None)
             is_last = bucket.index == len(self.buckets) - 1
             grads = GradBucket(
                 bucket.index, bucket.flat, [self.params[i] for i in bucket.params],
@@ -388,9 +413,7 @@ class Reducer:
             )  # fmt: skip
             return self.hook(self.hook_state, grads)
         if self.world_size == 1:
-            self._fill(bucket, None)
             return completed(bucket.flat)
-        self._fill(bucket, self.scale)
         # The default path keeps the Work, not work.get_future(): waiting on the future costs
         # measurably more CPU per bucket with Gloo (benchmarks/ddp_throughput.py).
         return dist.all_reduce(bucket.flat, group=self.group, async_op=True)
@@ -414,7 +437,7 @@ class Reducer:
         for k, bucket in enumerate(self.buckets):
             fut = self.futures[k]
             if fut is None:
-                if self.hook is not None and k > 0:
+                if self.serial and k > 0:
                     self.futures[k - 1].wait()  # type: ignore[union-attr]
                 fut = self.futures[k] = self._launch(bucket)
             if isinstance(fut, dist.Work):
@@ -445,6 +468,17 @@ class Reducer:
         if not write_back_now:
             self._write_back(range(len(self.params)), used)
 
+    def set_hook(self, hook: CommHook, state: Any) -> None:
+        """Reduce each bucket with ``hook(state, bucket)`` (see ``comm_hooks``).
+
+        A hook may issue more collectives from its future's callbacks (PowerSGD does), on
+        another thread and at times that differ between ranks; so bucket k+1 is launched only
+        once bucket k's future is done, and every rank issues the same collectives in the same
+        order. The hooks known to issue one collective before returning are not held back.
+        """
+        self.hook, self.hook_state = hook, state
+        self.serial = hook not in _one_collective_hooks()
+
     def wait(self, work: dist.Work, what: str) -> None:
         """Wait for one of this model's collectives (see ``lockstep``)."""
         lockstep.wait(work, self.progress, what)
@@ -463,7 +497,7 @@ class Reducer:
             if self.hook is None:
                 futures.append(dist.all_reduce(zeros, group=self.group, async_op=True))
                 continue
-            if futures:
+            if futures and self.serial:
                 futures[-1].wait()
             views = [zeros[o : o + v.numel()].view_as(v) for o, v in _offsets(bucket.views)]
             params = [self.params[i] for i in bucket.params]
@@ -554,6 +588,23 @@ class Reducer:
             "find_unused_parameters=True to tandem.DDP; otherwise make sure the loss depends "
             "on every parameter (e.g. every output of forward is used in the loss)."
         )
+
+
+def _one_collective_hooks() -> set[Any]:
+    """torch's and tandem's hooks that issue their one collective before they return."""
+    from torch.distributed.algorithms.ddp_comm_hooks import debugging_hooks, default_hooks
+
+    from tandem.parallel import comm_hooks
+
+    return {
+        default_hooks.allreduce_hook,
+        default_hooks.fp16_compress_hook,
+        default_hooks.bf16_compress_hook,
+        debugging_hooks.noop_hook,
+        comm_hooks.allreduce_hook,
+        comm_hooks.fp16_compress_hook,
+        comm_hooks.bf16_compress_hook,
+    }
 
 
 def _reachable_params(outputs: list[torch.Tensor]) -> tuple[set[int], bool]:
