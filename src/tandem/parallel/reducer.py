@@ -177,6 +177,7 @@ class Reducer:
     def _install(self, layout: list[list[int]]) -> None:
         self.buckets: list[Bucket] = build_buckets(layout, self.params)
         self.eager = [p.numel() >= LARGE_GRADIENT for p in self.params]
+        self.has_eager = [any(self.eager[i] for i in b.params) for b in self.buckets]
         self.bucket_of = [self.buckets[0]] * len(self.params)
         self.views: list[torch.Tensor] = [torch.empty(0)] * len(self.params)
         for bucket in self.buckets:
@@ -382,7 +383,15 @@ class Reducer:
         Small gradients cost a call each rather than memory: one call copies them all, one
         more scales them (with gradient_as_bucket_view most are in place and only scaled).
         """
-        params, as_view = self.params, self.as_view
+        params, as_view, scale = self.params, self.as_view, self.fill_scale
+        if not as_view and not self.has_eager[bucket.index]:
+            grads = [params[i].grad for i in bucket.params]
+            if all(g is not None for g in grads):
+                # The common case: one call copies, one kernel scales the whole buffer.
+                torch._foreach_copy_(bucket.views, grads)
+                if scale is not None:
+                    bucket.flat.mul_(scale)
+                return
         copy_views, copy_grads, scaled = [], [], []
         for i, view in zip(bucket.params, bucket.views, strict=True):
             if self.eager[i] and self.marked[i]:
@@ -400,8 +409,12 @@ class Reducer:
                 params[i].grad = view
         if copy_grads:
             torch._foreach_copy_(copy_views, copy_grads)
-        if scaled and self.fill_scale is not None:
-            torch._foreach_mul_(scaled, self.fill_scale)
+        if scale is None:
+            return
+        if not self.has_eager[bucket.index]:
+            bucket.flat.mul_(scale)  # every slot is this call's to scale (zeros stay zeros)
+        elif scaled:
+            torch._foreach_mul_(scaled, scale)
 
     def _launch(self, bucket: Bucket) -> torch.futures.Future | dist.Work:
         self._fill(bucket)
