@@ -23,8 +23,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import tandem
+from tandem.parallel.agreement import UnusedParametersError
 from tandem.parallel.comm_hooks import allreduce_hook
-from tandem.parallel.reducer import UnusedParametersError
 from tandem.parallel.replicas import broadcast_coalesced
 from tests.distributed import models
 from tests.harness import run_ranks

@@ -87,6 +87,26 @@ class GradBucket:
         self._buffer = tensor
 
 
+def issues_one_collective(hook: CommHook) -> bool:
+    """True for the hooks known to issue their one collective before they return (torch's and
+    tandem's allreduce, fp16 and bf16 hooks, and torch's noop_hook, which issues none).
+
+    The reducer launches the buckets of these hooks without waiting for the previous bucket's
+    future; any other hook may issue more collectives from its future's callbacks.
+    """
+    from torch.distributed.algorithms.ddp_comm_hooks import debugging_hooks, default_hooks
+
+    return hook in (
+        default_hooks.allreduce_hook,
+        default_hooks.fp16_compress_hook,
+        default_hooks.bf16_compress_hook,
+        debugging_hooks.noop_hook,
+        allreduce_hook,
+        fp16_compress_hook,
+        bf16_compress_hook,
+    )
+
+
 def completed(tensor: torch.Tensor) -> torch.futures.Future:
     """A future that already holds ``tensor``: the one-rank case, where nothing is sent."""
     fut: torch.futures.Future = torch.futures.Future()

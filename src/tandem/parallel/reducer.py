@@ -43,10 +43,11 @@ from torch.autograd import Variable
 from torch.autograd.function import BackwardCFunction
 
 from tandem import _tree
-from tandem._dist import gather_objects, global_rank, group_size
+from tandem._dist import global_rank, group_size
 from tandem.parallel import lockstep
+from tandem.parallel.agreement import Agreement
 from tandem.parallel.buckets import MIB, Bucket, assign_buckets, build_buckets
-from tandem.parallel.comm_hooks import CommHook, GradBucket, completed
+from tandem.parallel.comm_hooks import CommHook, GradBucket, completed, issues_one_collective
 
 DEFAULT_BUCKET_MB = 25.0
 # With the default cap the first rebuilt bucket is small, so that the first all-reduce starts
@@ -59,10 +60,6 @@ DEFAULT_FIRST_BUCKET_MB = 1.0
 # smaller ones are copied when their bucket is full, in one call per bucket (their cost is the
 # call, not the memory).
 LARGE_GRADIENT = 16384
-
-
-class UnusedParametersError(RuntimeError):
-    """Some rank finished backward without a gradient for some parameters."""
 
 
 class Phase(enum.Enum):
@@ -143,7 +140,6 @@ class Reducer:
         self.next_bucket = 0
         self.held = False  # a ready bucket waits for its predecessor's hook future
         self.serial = False  # buckets wait for the previous hook future (see set_hook)
-        self.check_work: dist.Work | None = None  # the end-of-backward check, once launched
         self.recording = False  # this backward's ready order is the one buckets are rebuilt in
         self.fill_scale: float | None = None  # what gradients are multiplied by, copied in
         self.futures: list[torch.futures.Future | dist.Work | None] = []
@@ -155,9 +151,8 @@ class Reducer:
         self.expected_fires: list[int] | None = None
         self.fires = [0] * len(self.params)
         self.static_used: list[bool] | None = None
-        self._check_host: torch.Tensor | None = None
-        self._check_event: Any = None
-        self._missing: list[int] = []
+        device = self.params[0].device if self.params else torch.device("cpu")
+        self.agreement = Agreement(self.names, group, device, self.wait)
 
     # -- layout ---------------------------------------------------------------------------
 
@@ -356,10 +351,10 @@ class Reducer:
             self.next_bucket == len(buckets)
             and self.hook is None
             and self.world_size > 1
-            and self.check_work is None
+            and not self.agreement.launched
         ):
             # Every gradient is in (none missed), and no hook will issue more collectives.
-            self._launch_check(0, self.find_unused)
+            self.agreement.launch(0, self.used if self.find_unused else None)
 
     def _copy_in(self, i: int) -> None:
         """Put parameter ``i``'s gradient, times ``fill_scale``, into its bucket slot."""
@@ -470,9 +465,9 @@ class Reducer:
         # group's threads busy with their tensors while the interpreter shuts down.
         self.futures = []
         self.backwards += 1
-        if self.check_work is None:
-            self._launch_check(len(missing), agree_used)
-        used = self._read_check(missing, agree_used)
+        if not self.agreement.launched:
+            self.agreement.launch(len(missing), self.used if agree_used else None)
+        used = self.agreement.read(missing, agree_used)
         if first_static:
             self.static_used = used
         elif self.static_used is not None:
@@ -490,7 +485,7 @@ class Reducer:
         order. The hooks known to issue one collective before returning are not held back.
         """
         self.hook, self.hook_state = hook, state
-        self.serial = hook not in _one_collective_hooks()
+        self.serial = not issues_one_collective(hook)
 
     def wait(self, work: dist.Work, what: str) -> None:
         """Wait for one of this model's collectives (see ``lockstep``)."""
@@ -527,8 +522,8 @@ class Reducer:
         self.backwards += 1
         self.used = [False] * len(self.params)
         agree_used = self.find_unused or (self.static_graph and self.backwards == 1)
-        self._launch_check(0, agree_used)
-        self._read_check([], agree_used)
+        self.agreement.launch(0, self.used if agree_used else None)
+        self.agreement.read([], agree_used)
 
     def _write_back(self, indices: Sequence[int], used: list[bool] | None) -> None:
         """Give parameters ``indices`` their mean gradient (``used``: who had one anywhere)."""
@@ -545,79 +540,9 @@ class Reducer:
         if grads:
             torch._foreach_copy_(grads, means)  # one call, not one per parameter
 
-    def _launch_check(self, missing: int, agree_used: bool) -> None:
-        """Start the all-reduce that agrees on missed gradients (and the used parameters).
-
-        One int32 all-reduce, issued after every bucket's collectives: by the main thread right
-        after the last bucket when there is no hook (so it overlaps that bucket's transfer),
-        else at the end of backward once every hook's future is done. Either way it is the
-        same collective at the same place on every rank.
-        """
-        values = [missing] + ([int(u) for u in self.used] if agree_used else [])
-        self.check = torch.tensor(values, dtype=torch.int32, device=self.params[0].device)
-        if self.world_size > 1:
-            self.check_work = dist.all_reduce(self.check, group=self.group, async_op=True)
-
-    def _read_check(self, missing: list[int], agree_used: bool) -> list[bool] | None:
-        """Raise on every rank if any rank missed gradients; the used map, if agreed.
-
-        On a GPU, reading the sum here would make the CPU wait for the GPU every step: it is
-        copied to host memory in the background and read at the next forward, unless the used
-        map is needed now.
-        """
-        t, work = self.check, self.check_work
-        self.check_work = None
-        if work is not None:
-            self.wait(work, "end-of-backward check")
-        if t.device.type == "cpu" or agree_used:
-            counts = t.tolist()
-            if counts[0] != 0:
-                self._raise_missing(missing)
-            return [bool(u) for u in counts[1:]] if agree_used else None
-        if self._check_host is None:
-            self._check_host = torch.zeros(1, dtype=t.dtype, pin_memory=True)
-        self._check_host.copy_(t, non_blocking=True)
-        self._check_event = torch.cuda.Event()
-        self._check_event.record()
-        self._missing = missing
-        return None
-
     def check_previous_step(self) -> None:
         """Raise the missing-gradient error deferred from the previous backward (GPU only)."""
-        if self._check_event is None:
-            return
-        self._check_event.synchronize()
-        self._check_event = None
-        if self._check_host is not None and self._check_host.item() != 0:
-            self._raise_missing(self._missing)
-
-    def _raise_missing(self, missing: list[int]) -> None:
-        per_rank = gather_objects([self.names[i] for i in missing], self.group)
-        lines = [f"rank {r}: {', '.join(n)}" for r, n in enumerate(per_rank) if n]
-        raise UnusedParametersError(
-            "tandem.DDP: these parameters received no gradient in this backward, so their "
-            "gradients could not be averaged:\n  " + "\n  ".join(lines) + "\n"
-            "If some parameters are legitimately unused in some steps, pass "
-            "find_unused_parameters=True to tandem.DDP; otherwise make sure the loss depends "
-            "on every parameter (e.g. every output of forward is used in the loss)."
-        )
-
-
-def _one_collective_hooks() -> set[Any]:
-    """torch's and tandem's hooks that issue their one collective before they return."""
-    from torch.distributed.algorithms.ddp_comm_hooks import debugging_hooks, default_hooks
-
-    from tandem.parallel import comm_hooks
-
-    return {
-        default_hooks.allreduce_hook,
-        default_hooks.fp16_compress_hook,
-        default_hooks.bf16_compress_hook,
-        debugging_hooks.noop_hook,
-        comm_hooks.allreduce_hook,
-        comm_hooks.fp16_compress_hook,
-        comm_hooks.bf16_compress_hook,
-    }
+        self.agreement.check_previous_step()
 
 
 def _reachable_params(outputs: list[torch.Tensor]) -> tuple[set[int], bool]:
