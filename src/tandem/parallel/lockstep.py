@@ -27,12 +27,14 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import itertools
 import json
 import logging
 import os
 import sys
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -67,8 +69,8 @@ class Progress:
 
 def track(group: dist.ProcessGroup | None) -> Progress:
     """Register a DDP model; the first one starts this process's answering thread."""
-    progress = Progress(len(_models), group)
-    _models.append(progress)
+    progress = Progress(next(_built), group)
+    _models[progress.index] = progress
     if initialized() and dist.get_world_size(group) > 1:
         _Answerer.start()
     return progress
@@ -175,6 +177,7 @@ class _Answerer:
     """The thread that tells peers where this rank is (one per process)."""
 
     store: Any = None
+    _base: Any = None
     _thread: threading.Thread | None = None
     # A collective of this process can never complete: the backend would wait for it forever
     # while the interpreter exits, so the exit is made immediate (see _exiting).
@@ -182,31 +185,36 @@ class _Answerer:
 
     @classmethod
     def start(cls) -> None:
-        if cls._thread is not None:
-            return
         base = dist.distributed_c10d._get_default_store()
+        if cls._thread is not None and cls._thread.is_alive() and cls._base is base:
+            return
+        # A first model, or a process group made anew (its store is another): answer there.
+        if cls._thread is None:
+            atexit.register(cls._exiting)
+        cls._base = base
         cls.store = dist.PrefixStore("tandem/lockstep/", base)
         cls._main = threading.main_thread().ident
         cls._rank = dist.get_rank()
-        cls._thread = threading.Thread(target=cls._run, name="tandem-lockstep", daemon=True)
+        cls._thread = threading.Thread(
+            target=cls._run, args=(cls.store, cls._rank), name="tandem-lockstep", daemon=True
+        )
         cls._thread.start()
-        atexit.register(cls._exiting)
 
     @classmethod
-    def _run(cls) -> None:
+    def _run(cls, store: Any, rank: int) -> None:
         answered = 0
         try:
-            while True:
+            while store is cls.store:  # a newer process group's thread takes over
                 time.sleep(_POLL_S)
-                asked = cls.store.add("queries", 0)
+                asked = store.add("queries", 0)
                 if asked > answered:
                     state = json.dumps(cls._state())
                     for query in range(answered + 1, asked + 1):
-                        cls.store.set(f"answer/{query}/{cls._rank}", state)
+                        store.set(f"answer/{query}/{rank}", state)
                     answered = asked
-                if cls.store.check([f"verdict/{cls._rank}"]):
-                    cls._convicted(cls.store.get(f"verdict/{cls._rank}").decode())
-                    cls.store.set(f"ack/{cls._rank}", "1")
+                if store.check([f"verdict/{rank}"]):
+                    cls._convicted(store.get(f"verdict/{rank}").decode())
+                    store.set(f"ack/{rank}", "1")
                     return
         except Exception:  # the store went away with the job: nothing left to answer
             return
@@ -215,7 +223,7 @@ class _Answerer:
     def _state(cls, exited: bool = False) -> dict:
         inside, where = _main_thread_position(cls._main)
         return {
-            "steps": {str(p.index): p.step for p in _models},
+            "steps": {str(p.index): p.step for p in list(_models.values())},
             "in": inside,
             "where": where,
             "exited": exited,
@@ -272,4 +280,6 @@ def _main_thread_position(ident: int | None) -> tuple[str | None, str]:
     return inside, where
 
 
-_models: list[Progress] = []
+# The DDP models alive in this process, by the order they were built (the same on every rank).
+_models: weakref.WeakValueDictionary[int, Progress] = weakref.WeakValueDictionary()
+_built = itertools.count()
