@@ -26,6 +26,7 @@ Example of what the waiting rank raises::
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import itertools
 import json
@@ -179,6 +180,7 @@ class _Answerer:
     store: Any = None
     _base: Any = None
     _thread: threading.Thread | None = None
+    _stop = threading.Event()
     # A collective of this process can never complete: the backend would wait for it forever
     # while the interpreter exits, so the exit is made immediate (see _exiting).
     stuck = False
@@ -204,8 +206,9 @@ class _Answerer:
     def _run(cls, store: Any, rank: int) -> None:
         answered = 0
         try:
-            while store is cls.store:  # a newer process group's thread takes over
-                time.sleep(_POLL_S)
+            # Until the process exits or its group is destroyed, or a newer group's thread
+            # takes over: never inside a store call while the interpreter tears down.
+            while not cls._stop.wait(_POLL_S) and store is cls.store and initialized():
                 asked = store.add("queries", 0)
                 if asked > answered:
                     state = json.dumps(cls._state())
@@ -248,10 +251,11 @@ class _Answerer:
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(1)
-        try:
+        with contextlib.suppress(Exception):
             cls.store.set(f"exit/{cls._rank}", json.dumps(cls._state(exited=True)))
-        except Exception:
-            return
+        cls._stop.set()
+        if cls._thread is not None:
+            cls._thread.join(timeout=2 * _POLL_S)
 
 
 def _with(message: str) -> Any:
