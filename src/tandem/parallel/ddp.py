@@ -91,9 +91,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         # 1. Mistakes first, each an error on every rank: no process group in a launched job,
         #    device_ids that do not fit the module, a model that differs across ranks.
         require_process_group("tandem.DDP")
-        check_device_ids(module, device_ids, "tandem.DDP", output_device)
+        self.device = check_device_ids(module, device_ids, "tandem.DDP", output_device)
         self.module = module
-        self.device = _as_device(device_ids[0]) if device_ids else None
         self.output_device = output_device
         self.dim = dim
         self.broadcast_buffers = broadcast_buffers
@@ -279,8 +278,3 @@ def drop_zero_grads(model: nn.Module) -> int:
             p.grad = None
             dropped += 1
     return dropped
-
-
-def _as_device(device: int | str | torch.device) -> torch.device:
-    # torch's convention: a bare integer in device_ids is a CUDA device index.
-    return torch.device("cuda", device) if isinstance(device, int) else torch.device(device)

@@ -42,7 +42,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from tandem._dist import global_ranks, initialized
+from tandem._dist import global_ranks, group_size, initialized
 
 log = logging.getLogger("tandem.lockstep")
 
@@ -65,59 +65,43 @@ class Progress:
     index: int  # the n-th DDP model built in this process: the same model on every rank
     group: dist.ProcessGroup | None
     step: int = 0  # training forwards started
-    waiting: str | None = None  # the collective this rank is waiting in, if any
 
 
 def track(group: dist.ProcessGroup | None) -> Progress:
     """Register a DDP model; the first one starts this process's answering thread."""
     progress = Progress(next(_built), group)
     _models[progress.index] = progress
-    if initialized() and dist.get_world_size(group) > 1:
+    if group_size(group) > 1:
         _Answerer.start()
     return progress
 
 
 def wait(work: dist.Work, progress: Progress, what: str) -> None:
     """``work.wait()``, but a wait that lasts checks that every rank is still in step."""
-    next_check = None
-    try:
-        while True:
-            try:
-                work.wait(timeout=_SLICE)
-                return
-            except RuntimeError as e:
-                if not _timed_out(e):
-                    _explain_failure(progress, what, e)
-                    raise
-            now = time.monotonic()
-            if next_check is None:  # the first slice ran out: from now on, this rank waits
-                progress.waiting = what
-                next_check = now + CHECK_AFTER_S
-            elif now >= next_check:
-                _check(progress, what)
-                next_check = time.monotonic() + CHECK_AFTER_S
-    finally:
-        progress.waiting = None
+    next_check = time.monotonic() + CHECK_AFTER_S
+    while True:
+        try:
+            work.wait(timeout=_SLICE)
+            return
+        except RuntimeError as e:
+            if not _timed_out(e):  # a peer closed its connection: say which rank left
+                _raise_if_out_of_step(progress, what, e)
+                raise
+        if time.monotonic() >= next_check:
+            _raise_if_out_of_step(progress, what, None)
+            log.debug("rank waits in %s (step %d); every rank is in step", what, progress.step)
+            next_check = time.monotonic() + CHECK_AFTER_S
 
 
 def _timed_out(error: RuntimeError) -> bool:
     return "timed out" in str(error).lower()
 
 
-def _explain_failure(progress: Progress, what: str, error: RuntimeError) -> None:
-    """A collective failed (a peer closed its connection): say which rank left, if known."""
+def _raise_if_out_of_step(progress: Progress, what: str, cause: RuntimeError | None) -> None:
     found = _survey(progress, what)
     if found:
         _Answerer.stuck = True
-        raise RanksOutOfStepError(found) from error
-
-
-def _check(progress: Progress, what: str) -> None:
-    found = _survey(progress, what)
-    if found:
-        _Answerer.stuck = True
-        raise RanksOutOfStepError(found)
-    log.debug("rank waits in %s (step %d); every rank is in step", what, progress.step)
+        raise RanksOutOfStepError(found) from cause
 
 
 def _survey(progress: Progress, what: str) -> str | None:

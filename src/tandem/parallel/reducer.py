@@ -123,16 +123,15 @@ class Reducer:
         # Before any backward the ready order is unknown. torch then uses one bucket (so that
         # no all-reduce can start on a guess), except with find_unused_parameters, whose
         # buckets are cut once from the reversed registration order and kept.
+        self.eager = [p.numel() >= LARGE_GRADIENT for p in self.params]
         self.rebuilt = self.find_unused
         self.ready_order: list[int] = []
         if self.find_unused:
             self._install(self._layout(list(range(len(self.params))), reverse=True))
         else:
             self._install(self._layout(list(range(len(self.params))), one_bucket=True))
-        self._handles = [
+        for i, p in enumerate(self.params):
             p.register_post_accumulate_grad_hook(partial(self._on_grad, i))
-            for i, p in enumerate(self.params)
-        ]
 
         self.phase = Phase.IDLE
         self.backwards = 0  # backward passes that reduced: static_graph's first one is special
@@ -171,7 +170,6 @@ class Reducer:
 
     def _install(self, layout: list[list[int]]) -> None:
         self.buckets: list[Bucket] = build_buckets(layout, self.params)
-        self.eager = [p.numel() >= LARGE_GRADIENT for p in self.params]
         self.has_eager = [any(self.eager[i] for i in b.params) for b in self.buckets]
         self.bucket_of = [self.buckets[0]] * len(self.params)
         self.views: list[torch.Tensor] = [torch.empty(0)] * len(self.params)
@@ -507,7 +505,8 @@ class Reducer:
                 continue
             if futures and self.serial:
                 futures[-1].wait()
-            views = [zeros[o : o + v.numel()].view_as(v) for o, v in _offsets(bucket.views)]
+            pieces = zeros.split([v.numel() for v in bucket.views])
+            views = [z.view_as(v) for z, v in zip(pieces, bucket.views, strict=True)]
             params = [self.params[i] for i in bucket.params]
             is_last = bucket.index == len(self.buckets) - 1
             futures.append(
@@ -563,12 +562,3 @@ def _reachable_params(outputs: list[torch.Tensor]) -> tuple[set[int], bool]:
         opaque = opaque or isinstance(fn, BackwardCFunction)
         stack.extend(next_fn for next_fn, _ in fn.next_functions if next_fn is not None)
     return reached, opaque
-
-
-def _offsets(views: Sequence[torch.Tensor]) -> list[tuple[int, torch.Tensor]]:
-    """(offset in the flat buffer, view) for views laid back to back."""
-    out, offset = [], 0
-    for v in views:
-        out.append((offset, v))
-        offset += v.numel()
-    return out

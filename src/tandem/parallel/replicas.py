@@ -138,8 +138,9 @@ def check_device_ids(
     device_ids: Sequence[int | str | torch.device] | None,
     wrapper: str = "tandem.DDP",
     output_device: int | str | torch.device | None = None,
-) -> None:
-    """Raise ValueError where ``device_ids`` cannot describe where ``module`` lives.
+) -> torch.device | None:
+    """Raise ValueError where ``device_ids`` cannot describe where ``module`` lives; else the
+    device the wrapper moves inputs to (None without device_ids).
 
     torch's DDP rules, with the fix in the message: ``device_ids`` (and ``output_device``) are
     for a module on one accelerator, so they must be None (or empty) for a CPU module, even
@@ -155,7 +156,7 @@ def check_device_ids(
     given = list(device_ids) if device_ids is not None else []
     # torch tests truthiness: output_device=0 alone passes there, so it passes here too.
     if not given and not output_device:
-        return
+        return None
     if len(given) > 1:
         raise ValueError(
             f"{wrapper}: device_ids={given} names {len(given)} devices; one process drives one "
@@ -163,7 +164,7 @@ def check_device_ids(
         )
     devices = sorted({p.device for p in module.parameters()}, key=str)
     if not devices:
-        return
+        return _as_device(given[0], "cuda") if given else None
     passed = f"device_ids={given if device_ids is not None else None}" + (
         f", output_device={output_device!r}" if output_device is not None else ""
     )
@@ -190,7 +191,7 @@ def check_device_ids(
             f"(module.to('{target}')), or pass {none} for a CPU module"
         )
     if not given:
-        return
+        return None
     target = _as_device(given[0], device.type)
     if target.type != device.type or (
         target.index is not None and device.index is not None and target.index != device.index
@@ -201,6 +202,7 @@ def check_device_ids(
             f"be moved to {target}, away from the module. Move the module to {target} first "
             f"(module.to('{target}')), or pass device_ids=[{own}]"
         )
+    return target
 
 
 def _as_device(entry: int | str | torch.device, device_type: str) -> torch.device:
