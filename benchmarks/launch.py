@@ -55,7 +55,7 @@ RESULTS = HERE / "results"
 PROBE = HERE / "launch_probe.py"
 LAUNCHERS = ("tandem", "torchrun")
 METRICS = ("to_start", "to_import", "to_init", "wall")
-TANDEM_CMD = [sys.executable, "-m", "tandem.launch.cli", "run"]
+TANDEM_CMD = [sys.executable, "-m", "tandem.cli", "run"]
 TORCHRUN_CMD = [sys.executable, "-m", "torch.distributed.run"]
 
 

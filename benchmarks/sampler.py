@@ -19,6 +19,7 @@ Run::
 
     python benchmarks/sampler.py                 # 10^6 x 7 pairs, 10^8 x 3 pairs, 10^9 x 3
     python benchmarks/sampler.py --pairs 3 --big-pairs 1
+    python benchmarks/sampler.py --sizes 1000 --pairs 1 --iterate 10   # smoke run
 """
 
 from __future__ import annotations
@@ -147,14 +148,23 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--replicas", type=int, default=1, help="num_replicas (rank 0 measured)")
     parser.add_argument("--iterate", type=int, default=100_000)
     parser.add_argument("--json", type=Path, default=RESULTS / "sampler.json")
+    parser.add_argument(
+        "--sizes",
+        type=int,
+        nargs="+",
+        help="measure these n instead, both samplers, --pairs repetitions each (a smoke run)",
+    )
     parser.add_argument("--child", nargs=2, metavar=("SAMPLER", "N"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         print(json.dumps(child(args.child[0], int(args.child[1]), args.replicas, args.iterate)))
         return {}
 
-    plan = [(10**6, SAMPLERS, args.pairs), (10**8, SAMPLERS, args.big_pairs)]
-    plan.append((10**9, ("tandem",), args.big_pairs))
+    if args.sizes:
+        plan = [(n, SAMPLERS, args.pairs) for n in args.sizes]
+    else:
+        plan = [(10**6, SAMPLERS, args.pairs), (10**8, SAMPLERS, args.big_pairs)]
+        plan.append((10**9, ("tandem",), args.big_pairs))
     results = {f"{n:.0e}": _measure(n, samplers, reps, args) for n, samplers, reps in plan}
     meta = {
         "cpu": platform.processor() or platform.machine(),

@@ -37,7 +37,7 @@ def tandem_run_module(module: str, *args: str, nproc: int = 2) -> list[str]:
     return [
         sys.executable,
         "-m",
-        "tandem.launch.cli",
+        "tandem.cli",
         "run",
         "--nproc-per-node",
         str(nproc),

@@ -45,7 +45,10 @@ def global_rank(group: dist.ProcessGroup | None, rank: int) -> int:
     """The global rank of ``group``'s rank ``rank`` (collectives name their source globally)."""
     if not initialized():
         return rank
-    return dist.get_global_rank(group if group is not None else dist.group.WORLD, rank)
+    if group is None:
+        group = dist.group.WORLD
+        assert group is not None  # set by init_process_group, which initialized() saw
+    return dist.get_global_rank(group, rank)
 
 
 def global_ranks(group: dist.ProcessGroup | None = None) -> list[int]:

@@ -6,7 +6,8 @@ namedtuple batch reaches the module as that namedtuple, not a plain tuple.
 
 Example::
 
-    >>> Batch = collections.namedtuple("Batch", "x y")
+    >>> from collections import namedtuple
+    >>> Batch = namedtuple("Batch", "x y")
     >>> b = map_tensors(lambda t: t * 2, Batch(torch.ones(1), [torch.ones(1), "label"]))
     >>> type(b).__name__, b.y[1]
     ('Batch', 'label')

@@ -31,8 +31,11 @@ def file_digest(path: Path, algorithm: str) -> str:
     return digest.hexdigest()
 
 
-def write_temp(directory: Path, name: str, write: Callable[[IO[bytes]], None]) -> Path:
-    """A new file in ``directory`` holding what ``write`` wrote, flushed and fsynced."""
+def write_temp(directory: Path, name: str, write: Callable[[IO[bytes]], object]) -> Path:
+    """A new file in ``directory`` holding what ``write`` wrote, flushed and fsynced.
+
+    ``write``'s return value is ignored (``lambda f: f.write(data)`` returns a count).
+    """
     # Same directory as the final name: os.replace is atomic only within one file system.
     # The leading dot and .tmp suffix keep it out of listings of the real files.
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{name}.", suffix=".tmp")

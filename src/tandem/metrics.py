@@ -286,9 +286,9 @@ def gather_in_order(
     local_indices = [int(i) for i in indices]
     dataset = getattr(indices, "dataset", None)
     if isinstance(values, torch.Tensor):
-        rows = values.shape[0] if values.dim() else None
-        layout = (values.dtype, values.shape[1:]) if rows else None
-        part = _Part(local_indices, rows, layout, None)
+        n_rows = values.shape[0] if values.dim() else None
+        layout = (values.dtype, values.shape[1:]) if n_rows else None
+        part = _Part(local_indices, n_rows, layout, None)
     else:
         part = _Part(local_indices, len(values), None, list(values))
 

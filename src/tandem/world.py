@@ -141,10 +141,9 @@ def init(
         # rank of a node would start on cuda:0.
         torch.cuda.set_device(device)
     backend = backend or ("nccl" if device.type == "cuda" else "gloo")
-    kwargs = {} if delta is None else {"timeout": delta}
     if backend == "mpi":
         # The MPI runtime numbers and connects the processes itself: no rendezvous to pass.
-        dist.init_process_group("mpi", **kwargs)
+        dist.init_process_group("mpi", timeout=delta)
     else:
         init_method = init_method or "env://"
         if init_method.startswith("env://"):
@@ -156,7 +155,7 @@ def init(
             init_method=init_method,
             rank=placement.rank,
             world_size=placement.world_size,
-            **kwargs,
+            timeout=delta,  # None: the backend's own default
         )
     _current, _owns_group = _from_group(placement), True
     return _current

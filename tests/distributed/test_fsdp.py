@@ -30,6 +30,12 @@ and a buffer between its parameters in state_dict order. Proven, float32, tolera
   wrapped as its own unit (a predicate) trains like DDP; float32 and float64 units side by side;
 - ``clip_grad_norm_`` (2-norm and inf-norm, clipping active) returns DDP's
   ``torch.nn.utils.clip_grad_norm_`` total norm and leads to its parameters;
+- observability: under torch's profiler, two steps record one closed ``tandem.fsdp.forward``
+  range per unit forward and one ``tandem.fsdp.reduce_scatter`` per unit backward, one
+  ``finish_backward`` per backward, the all-gathers, and at stage 3 the prefetches; the
+  ``tandem.fsdp`` logger at debug level tells the prefetches, the frees after forward and the
+  reshards after backward (stage 2: only prefetches), each naming its rank and unit; and
+  training under both is still DDP's;
 - bad input: a model that differs across ranks raises a ValueError naming the parameter on
   every rank (no hang); one unit with two dtypes raises naming the parameters, on every rank.
 """
@@ -37,6 +43,7 @@ and a buffer between its parameters in state_dict order. Proven, float32, tolera
 from __future__ import annotations
 
 import functools
+import logging
 import random
 
 import pytest
@@ -454,6 +461,32 @@ def _clip(stage: int, norm_type: float) -> dict:
     return {"norms": norms, **compare(model, params(oracle.module))}
 
 
+def _observed(stage: int) -> dict:
+    """Two steps under torch's profiler, with the tandem.fsdp logger at debug level."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.DEBUG)
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger = logging.getLogger("tandem.fsdp")
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    try:
+        model, opt, oracle, ref = side_by_side(make_net, "adamw", stage, {nn.Linear})
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            train(model, opt, oracle, ref, 2)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(logging.NOTSET)
+    counts: dict[str, int] = {}
+    for event in prof.events():
+        if event.name.startswith("tandem.fsdp."):
+            counts[event.name] = counts.get(event.name, 0) + 1
+    return {
+        "ranges": counts,
+        "messages": [r.getMessage() for r in records],
+        **compare(model, params(oracle.module)),
+    }
+
+
 def _behaviours() -> dict:
     out: dict = {}
     for stage in (2, 3):
@@ -467,6 +500,7 @@ def _behaviours() -> dict:
         out[("two_dtypes", stage)] = _two_dtypes(stage)
         for norm_type in (2.0, float("inf")):
             out[("clip", stage, norm_type)] = _clip(stage, norm_type)
+        out[("observed", stage)] = _observed(stage)
     return out
 
 
@@ -553,6 +587,31 @@ def test_clip_grad_norm_equals_torch_on_ddp(behaviours, stage, norm_type):
         behaviours[0][("clip", stage, norm_type)]["norms"]
         == behaviours[1][("clip", stage, norm_type)]["norms"]
     )
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_phases_are_profiled_and_decisions_logged(behaviours, stage):
+    units, steps = 3, 2  # inp, block.0 and the root; two training steps
+    for rank, r in enumerate(behaviours):
+        result = r[("observed", stage)]
+        ranges, messages = result["ranges"], result["messages"]
+        context = (rank, ranges, messages)
+        assert result["diff"] <= TOL, (rank, result)  # observing changed nothing
+        # one forward range per unit and step, each closed (the profiler keeps closed ones)
+        assert ranges.get("tandem.fsdp.forward") == units * steps, context
+        assert ranges.get("tandem.fsdp.reduce_scatter") == units * steps, context
+        assert ranges.get("tandem.fsdp.finish_backward") == steps, context
+        assert ranges.get("tandem.fsdp.reduce_scatter_wait", 0) >= 1, context
+        assert ranges.get("tandem.fsdp.all_gather", 0) >= units * steps, context
+        if stage == 3:
+            # from the second forward on, the next unit is prefetched
+            assert ranges.get("tandem.fsdp.all_gather_start", 0) >= 1, context
+            assert any("prefetched for the forward" in m for m in messages), context
+            assert any("resharded after its backward" in m for m in messages), context
+            assert any("freed (after its forward)" in m for m in messages), context
+            assert all(m.startswith(f"rank {rank}, unit #") for m in messages), context
+        else:  # stage 2 frees nothing; a stepped unit is still gathered ahead of its use
+            assert messages and all("prefetched for the forward" in m for m in messages), context
 
 
 # -- 7: bad input ---------------------------------------------------------------------------------

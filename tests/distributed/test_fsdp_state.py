@@ -13,12 +13,16 @@ its parameters in state_dict order. Proven, float32, tolerance 1e-6, AdamW, stag
   saved one file per rank and loaded into a fresh wrapper (other initial values and buffers)
   continue bit for bit like the uninterrupted run; a sharded state of another rank, of another world
   size or of another wrapping is refused with a ValueError that points to the full state dict; a
-  full state with a missing, an unexpected or a wrongly-shaped key is refused naming it.
+  full state with a missing, an unexpected or a wrongly-shaped key is refused naming it;
+- the model's ``layout``, all these functions read of it, is the plain module's names in its
+  order (state_dict keys, parameters), its units' names, this rank and world size, the stage,
+  and the layout the sharded state records; it cannot be changed.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 
 import torch
@@ -55,7 +59,8 @@ def _save_and_reload(tmp: str) -> dict:
         full_at_1 = model.full_state_dict(to=1)
         full_optim = model.full_optim_state_dict(opt)
         r: dict = {
-            "none_elsewhere": (full is None) == (rank != 0) and (full_at_1 is None) == (rank != 1)
+            "none_elsewhere": (full is None) == (rank != 0) and (full_at_1 is None) == (rank != 1),
+            "layout": _layout_facts(model, stage),
         }
         if rank == 0:
             expected = oracle.module.state_dict()
@@ -130,6 +135,27 @@ def _save_and_reload(tmp: str) -> dict:
     return out
 
 
+def _layout_facts(model, stage: int) -> dict:
+    """What ``model.layout`` says, against the plain module and the sharded state dict."""
+    layout, plain = model.layout, make_net()
+    try:
+        layout.stage = 5
+        frozen = False
+    except dataclasses.FrozenInstanceError:
+        frozen = True
+    names = [n for n, _ in plain.named_parameters()]
+    return {
+        "state_keys": layout.state_keys == tuple(plain.state_dict()),
+        "param_fqns": layout.param_fqns == tuple(names),
+        "key_fqn": dict(layout.key_fqn) == {n: n for n in names},
+        "unit_names": sorted(layout.unit_names) == ["", "block.0", "inp"],
+        "where": (layout.rank, layout.world_size, layout.stage)
+        == (dist.get_rank(), dist.get_world_size(), stage),
+        "signature": layout.signature() == model.sharded_state_dict()["layout"],
+        "frozen": frozen,
+    }
+
+
 def _resume_at_four(tmp: str) -> dict:
     """World size 4: the state saved at world size 2 resumes like DDP resumed from it."""
     rank = dist.get_rank()
@@ -170,6 +196,7 @@ def test_state_dicts(tmp_path):
         for stage, r in per_stage.items():
             context = f"rank {rank}, stage {stage}: {r}"
             assert r["none_elsewhere"], context
+            assert all(r["layout"].values()), context
             if rank == 0:
                 assert r["keys"] and r["diff"] <= TOL and r["plain_diff"] <= TOL, context
                 assert optim_ok(r["optim"]), context

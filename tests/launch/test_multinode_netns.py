@@ -45,7 +45,7 @@ MAXDIFF_TOLERANCE = 1e-5
 
 SCRIPT = Path(__file__).with_name("train_nodes.py")
 LAUNCHERS = {
-    "tandem": [sys.executable, "-m", "tandem.launch.cli", "run"],
+    "tandem": [sys.executable, "-m", "tandem.cli", "run"],
     "torchrun": [sys.executable, "-m", "torch.distributed.run"],
 }
 

@@ -33,7 +33,7 @@ from tests.harness import free_port
 
 HERE = Path(__file__).parent
 WORKERS = str(HERE / "workers.py")
-TANDEM = [sys.executable, "-m", "tandem.launch.cli"]
+TANDEM = [sys.executable, "-m", "tandem.cli"]
 
 
 def tandem_run(*args: str, timeout: float = 60, env: dict | None = None):
@@ -333,6 +333,6 @@ def test_a_node_that_never_joins_is_named():
 
 
 def test_launcher_does_not_import_torch():
-    code = "import sys, tandem.launch.cli, tandem.launch.supervisor; print('torch' in sys.modules)"
+    code = "import sys, tandem.cli, tandem.launch.supervisor; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

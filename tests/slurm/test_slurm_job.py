@@ -206,7 +206,7 @@ def test_srun_ranks_train_in_step_without_launcher(tmp_path):
 
 def test_printed_script_trains_through_tandem_run(tmp_path):
     # The real `tandem run`, through a `tandem` on PATH that uses this interpreter.
-    bin_dir = _bin_with_tandem(tmp_path, "from tandem.launch.cli import main\nsys.exit(main())\n")
+    bin_dir = _bin_with_tandem(tmp_path, "from tandem.cli import main\nsys.exit(main())\n")
     script = tmp_path / "job.sh"
     script.write_text(
         build_sbatch_script(

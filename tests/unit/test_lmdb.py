@@ -24,7 +24,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from tandem.data.lmdb import LMDBDataset, convert_to_lmdb, register
+from tandem.cli.lmdb import register
+from tandem.data.lmdb import LMDBDataset, convert_to_lmdb
 from tandem.data.lmdb_codec import decode_sample, encode_sample
 from tests.unit.lmdb_data import N_SAMPLES, MixedDataset, assert_same, make_sample
 
@@ -313,7 +314,7 @@ def test_tandem_command_converts(tmp_path):
     cmd = [
         sys.executable,
         "-m",
-        "tandem.launch.cli",
+        "tandem.cli",
         "lmdb",
         "convert",
         "--dataset",
@@ -324,7 +325,7 @@ def test_tandem_command_converts(tmp_path):
     ]
     subprocess.run(cmd, check=True, capture_output=True, timeout=60)
     info = subprocess.run(
-        [sys.executable, "-m", "tandem.launch.cli", "lmdb", "info", str(out)],
+        [sys.executable, "-m", "tandem.cli", "lmdb", "info", str(out)],
         check=True,
         capture_output=True,
         text=True,

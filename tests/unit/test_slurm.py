@@ -26,7 +26,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tandem.launch import slurm
+from tandem.cli import slurm as slurm_cli
 from tandem.launch.slurm import build_sbatch_script, parse_time
 from tandem.launch.slurm_node import node_placement_from_slurm
 
@@ -305,7 +305,7 @@ def test_shortest_time_leaves_room_for_the_warning():
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem")
-    slurm.register(parser.add_subparsers(dest="command", required=True))
+    slurm_cli.register(parser.add_subparsers(dest="command", required=True))
     return parser
 
 

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 from torch.utils.data import Sampler
 
-from tandem.data.replicas import replicas_and_rank
+from tandem.data.ranks import replicas_and_rank
 
 ROUNDS = 8
 MAX_N = 2**63  # indices must fit torch's int64; positions (< n + R) then fit uint64 arithmetic

@@ -153,8 +153,9 @@ class BroadcastLoader:
         """
         for loader in self._loaders.values():
             target = loader if hasattr(loader, "set_epoch") else getattr(loader, "sampler", None)
-            if hasattr(target, "set_epoch"):
-                target.set_epoch(epoch)
+            set_epoch = getattr(target, "set_epoch", None)
+            if set_epoch is not None:
+                set_epoch(epoch)
 
     # --- construction -----------------------------------------------------------------------
 

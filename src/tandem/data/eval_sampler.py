@@ -18,7 +18,7 @@ from collections.abc import Iterator, Sized
 
 from torch.utils.data import Sampler
 
-from tandem.data.replicas import replicas_and_rank
+from tandem.data.ranks import replicas_and_rank
 
 
 def shard_range(num_samples: int, num_replicas: int, rank: int) -> range:

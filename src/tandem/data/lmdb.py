@@ -10,21 +10,23 @@ file is memory-mapped, read without locks and without copying through a server. 
 Big-endian fixed-width keys sort in index order, so LMDB's B-tree is filled by appends, and the
 metadata keys (7 and 10 bytes) can never equal a sample key (8 bytes).
 
-Neither torch nor numpy is imported at module import: the ``tandem`` command line imports
-:func:`register` from here and starts in milliseconds.
+Neither torch nor numpy is imported at module import: the ``tandem lmdb`` command line
+(:mod:`tandem.cli.lmdb`) imports this module and starts in milliseconds.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import threading
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
+from tandem._optional import require
 from tandem.data.lmdb_codec import decode_sample, encode_sample
+from tandem.files import fsync_dir, rename_into_place
 
 FORMAT = b"tandem-lmdb/1"
 LEN_KEY = b"__len__"
@@ -62,7 +64,7 @@ def convert_to_lmdb(
         path: the LMDB file to write (a single file, not a directory).
         map_size: the first LMDB map size in bytes (default 64 MiB); it is doubled as often as
             the data needs, so this only saves a few retries.
-        progress: show a tqdm progress bar on stderr.
+        progress: show a tqdm progress bar on stderr (``pip install "tandem[progress]"``).
         commit_every: samples per write transaction: larger is faster, smaller retries less
             when the map grows.
 
@@ -70,6 +72,8 @@ def convert_to_lmdb(
         ``path``, as a :class:`~pathlib.Path`.
 
     Raises:
+        ImportError: lmdb is not installed (``pip install "tandem[lmdb]"``), or tqdm with
+            ``progress=True``.
         ValueError: ``dataset`` has no length, ``path`` is a directory, a sample holds a type
             that cannot be stored (the message names the sample and where in it), or
             ``map_size``/``commit_every`` is not positive.
@@ -79,8 +83,7 @@ def convert_to_lmdb(
         convert_to_lmdb(torchvision.datasets.MNIST("data", download=True), "mnist.lmdb")
         ds = LMDBDataset("mnist.lmdb")
     """
-    import lmdb
-    from tqdm import tqdm
+    lmdb = require("lmdb", extra="lmdb")
 
     path = Path(path)
     if not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
@@ -109,9 +112,7 @@ def convert_to_lmdb(
     )
     try:
         pending: list[tuple[bytes, bytes]] = []
-        with tqdm(
-            total=length, disable=not progress, unit="sample", desc=path.name, file=sys.stderr
-        ) as bar:
+        with _progress_bar(length, path.name, progress) as bar:
             for index in range(length):
                 try:
                     pending.append((_key(index), encode_sample(dataset[index])))
@@ -125,8 +126,8 @@ def convert_to_lmdb(
             _put_all(env, pending)
         env.sync(True)
         env.close()
-        os.replace(tmp, path)
-        _fsync_dir(path.parent)
+        rename_into_place(tmp, path)
+        fsync_dir(path.parent)
     except BaseException:
         env.close()
         tmp.unlink(missing_ok=True)
@@ -134,9 +135,22 @@ def convert_to_lmdb(
     return path
 
 
+class _NoBar:
+    def update(self, n: int = 1) -> None:
+        pass
+
+
+def _progress_bar(total: int, desc: str, enabled: bool) -> AbstractContextManager[Any]:
+    """tqdm's bar on stderr; with ``enabled`` False, one that shows nothing and needs no tqdm."""
+    if not enabled:
+        return nullcontext(_NoBar())
+    tqdm = require("tqdm", extra="progress").tqdm
+    return tqdm(total=total, unit="sample", desc=desc, file=sys.stderr)
+
+
 def _put_all(env: Any, items: list[tuple[bytes, bytes]]) -> None:
     """Write ``items`` in one transaction, growing the map until they fit."""
-    import lmdb
+    lmdb = require("lmdb", extra="lmdb")
 
     while True:
         try:
@@ -151,15 +165,6 @@ def _put_all(env: Any, items: list[tuple[bytes, bytes]]) -> None:
             size = env.info()["map_size"]
             batch = sum(len(k) + len(v) for k, v in items)
             env.set_mapsize(max(2 * size, size + 2 * batch))
-
-
-def _fsync_dir(directory: Path) -> None:
-    # The rename is durable only once the directory entry is on disk.
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # One environment per file per process. LMDB forbids opening a file twice in one process
@@ -190,7 +195,7 @@ def _identity(path: Path, subdir: bool) -> tuple[int, int]:
 
 
 def _open_env(path: Path, subdir: bool) -> Any:
-    import lmdb
+    lmdb = require("lmdb", extra="lmdb")
 
     try:
         return lmdb.open(
@@ -251,6 +256,7 @@ class LMDBDataset:
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
+        ImportError: lmdb is not installed (``pip install "tandem[lmdb]"``).
         ValueError: ``path`` is not an LMDB file, or not one :func:`convert_to_lmdb` wrote.
 
     Example::
@@ -306,7 +312,7 @@ class LMDBDataset:
         return self.transform(sample) if self.transform is not None else sample
 
     def _read(self, env: Any, i: int) -> Any:
-        import lmdb
+        lmdb = require("lmdb", extra="lmdb")
 
         try:
             with env.begin(buffers=True) as txn:
@@ -328,18 +334,3 @@ class LMDBDataset:
 
     def __repr__(self) -> str:
         return f"LMDBDataset({str(self.path)!r}, {self._len} samples)"
-
-
-def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add ``tandem lmdb convert`` and ``tandem lmdb info`` (see :mod:`tandem.data.lmdb_cli`).
-
-    Example::
-
-        parser = argparse.ArgumentParser(prog="tandem")
-        register(parser.add_subparsers(dest="command", required=True))
-        args = parser.parse_args(["lmdb", "info", "train.lmdb"])
-        sys.exit(args.func(args))
-    """
-    from tandem.data.lmdb_cli import register as register_cli
-
-    register_cli(subparsers)

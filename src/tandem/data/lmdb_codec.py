@@ -168,15 +168,15 @@ def _decode(node: Any, payload: memoryview) -> Any:
     if tag == "B":
         return bytes(_slice(payload, *body))
     if tag == "P":
-        return _decode_tensor(*body, payload=payload)
+        return _decode_tensor(payload, *body)
     if tag in ("A", "N"):
-        array = _decode_array(*body, payload=payload)
+        array = _decode_array(payload, *body)
         # A scalar was written as a 0-d array; [()] turns it back into np.float32 & co.
         return array if tag == "A" else array[()]
     raise ValueError(f"corrupt sample: unknown tag {tag!r}")
 
 
-def _decode_tensor(dtype_name: str, shape: list[int], start: int, length: int, payload: Any):
+def _decode_tensor(payload: Any, dtype_name: str, shape: list[int], start: int, length: int):
     import torch
 
     dtype = getattr(torch, dtype_name, None)
@@ -189,7 +189,7 @@ def _decode_tensor(dtype_name: str, shape: list[int], start: int, length: int, p
     return raw.view(dtype).reshape(shape)
 
 
-def _decode_array(dtype_str: str | None, shape: Any, start: int, length: int, payload: Any):
+def _decode_array(payload: Any, dtype_str: str | None, shape: Any, start: int, length: int):
     import numpy as np
 
     raw = _slice(payload, start, length)

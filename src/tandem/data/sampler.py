@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch.utils.data import Sampler
 
-from tandem.data.replicas import replicas_and_rank
+from tandem.data.ranks import replicas_and_rank
 
 # The fields a state must share with the sampler it is loaded into: with any of them different,
 # the saved position points into another sequence of indices.

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tandem.files import file_digest, write_atomic
+from tandem.files import file_digest, fsync_dir, write_atomic
 
 MANIFEST_VERSION = 1
 _CHUNK = 4 << 20
@@ -98,6 +98,8 @@ def stage_local(
             raise ValueError(f"stage_local: source {src} is already at its destination {target}")
         if local_rank == 0:
             _stage(src, target, quick)
+        elif not distributed:
+            _wait_for_copy(src, target, local_rank, timeout)
     except BaseException as exc:
         if not distributed:
             raise
@@ -106,8 +108,6 @@ def stage_local(
         _agree(src, group, failed=error is not None)
         if error is not None:
             raise error
-    elif local_rank != 0:
-        _wait_for_copy(src, target, local_rank, timeout)
     return target
 
 
@@ -183,7 +183,8 @@ def _stage(src: Path, target: Path, quick: bool) -> None:
                 f"(files {mismatched[:5]}); is the source changing, or the disk failing?"
             )
         _remove(target)
-        os.replace(tmp, target)
+        os.replace(tmp, target)  # a directory: files.rename_into_place is for files
+        fsync_dir(target.parent)
     except BaseException:
         _remove(tmp)
         raise

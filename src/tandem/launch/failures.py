@@ -3,7 +3,7 @@
 Example::
 
     >>> describe_exit(-9)
-    'killed by SIGKILL (often the out-of-memory killer: check `dmesg` or the job's memory limit)'
+    "killed by SIGKILL (often the out-of-memory killer: check `dmesg` or the job's memory limit)"
     >>> describe_exit(1)
     'exit code 1'
 """

@@ -1,17 +1,16 @@
-"""SLURM: ``tandem slurm`` prints a batch script; ``tandem run`` under srun finds its node.
+"""SLURM: the batch script ``tandem slurm`` prints; ``tandem run`` under srun finds its node.
 
 The batch script runs one ``tandem run`` per node (``--ntasks-per-node=1``) through srun, and each
 starts one worker per GPU. Under srun every node's ``tandem run`` learns the node count, its node
 rank and the rendezvous host from SLURM's variables (``slurm_node.py``), so the script passes
-none of them. Nothing here imports torch: ``tandem slurm`` should print at once.
+none of them. The command line is :mod:`tandem.cli.slurm`. Nothing here imports torch:
+``tandem slurm`` should print at once.
 """
 
 from __future__ import annotations
 
-import argparse
 import re
 import shlex
-import sys
 from collections.abc import Sequence
 
 # Slurm warns the batch shell this long before the time limit: time for the requeue request and
@@ -211,89 +210,6 @@ exit "$status"
     )
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add the ``slurm`` subcommand to ``tandem``'s subparsers; it runs :func:`main`.
-
-    Every option takes dashes or underscores (``--gpus-per-node``, ``--gpus_per_node``), like
-    torchrun's. The script and its arguments follow ``--`` (or the first word that is not an
-    option of ``tandem slurm``).
-
-    Example::
-
-        parser = argparse.ArgumentParser(prog="tandem")
-        register(parser.add_subparsers(dest="command", required=True))
-        args = parser.parse_args(["slurm", "--nodes", "2", "--gpus-per-node", "4",
-                                  "--time", "01:00:00", "--", "train.py"])
-        args.func(args)  # prints the script
-    """
-    parser = subparsers.add_parser(
-        "slurm",
-        help="print an sbatch script that runs a training script on SLURM nodes",
-        description=(
-            "Print an sbatch script: one `tandem run` per node through srun, one worker per "
-            "GPU, requeued shortly before the time limit. Save it and submit it with sbatch."
-        ),
-        epilog="example: tandem slurm --nodes 2 --gpus-per-node 4 --time 01:00:00 -- train.py",
-    )
-
-    def option(name: str, **kwargs) -> None:
-        flags = [f"--{name}"]
-        if "-" in name:
-            flags.append(f"--{name.replace('-', '_')}")
-        parser.add_argument(*flags, **kwargs)
-
-    option("nodes", type=_positive, required=True, help="number of nodes")
-    option(
-        "gpus-per-node",
-        type=_non_negative,
-        required=True,
-        help="GPUs per node, one worker each; 0 for a CPU job (then give --nproc-per-node)",
-    )
-    option("time", type=_time, required=True, help="time limit: minutes or [D-]HH:MM:SS")
-    option("partition", help="partition to submit to (default: the cluster's default)")
-    option("cpus-per-task", type=_positive, help="CPUs per node, shared by its workers")
-    option("job-name", default="tandem", help="job name (default: %(default)s)")
-    option("output", default="%x-%j.out", help="log file (default: %(default)s)")
-    option("nproc-per-node", type=_positive, help="workers per node (default: --gpus-per-node)")
-    parser.add_argument(
-        "-m", "--module", action="store_true", help="run the script as a module (python -m)"
-    )
-    parser.add_argument(
-        "script_args", nargs=argparse.REMAINDER, help="-- then the script and its arguments"
-    )
-    parser.set_defaults(func=main)
-
-
-def main(args: argparse.Namespace) -> int:
-    """Print the batch script that ``args`` (from :func:`register`'s parser) describe.
-
-    Returns:
-        0, or 2 after printing the error when the arguments do not make a valid job.
-    """
-    script_args = list(args.script_args)
-    # argparse keeps the "--" that ends tandem's own options in the remainder.
-    if script_args[:1] == ["--"]:
-        script_args = script_args[1:]
-    try:
-        script = build_sbatch_script(
-            nodes=args.nodes,
-            gpus_per_node=args.gpus_per_node,
-            time=args.time,
-            partition=args.partition,
-            cpus_per_task=args.cpus_per_task,
-            job_name=args.job_name,
-            nproc_per_node=args.nproc_per_node,
-            script_args=script_args,
-            module=args.module,
-            output=args.output,
-        )
-    except ValueError as exc:
-        print(f"tandem slurm: error: {exc}", file=sys.stderr)
-        return 2
-    sys.stdout.write(script)
-    return 0
-
-
 def _checked_counts(
     nodes: int, gpus_per_node: int, cpus_per_task: int | None, nproc_per_node: int | None
 ) -> int:
@@ -321,34 +237,3 @@ def _checked_counts(
             "worker takes one GPU of its node"
         )
     return nproc_per_node
-
-
-def _argument(check):
-    """An argparse ``type`` from a check that raises ValueError, keeping its message."""
-
-    def parse(text: str):
-        try:
-            return check(text)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
-
-    return parse
-
-
-def _integer_at_least(minimum: int):
-    def check(text: str) -> int:
-        if not re.fullmatch(r"-?[0-9]+", text.strip()) or int(text) < minimum:
-            raise ValueError(f"{text!r} is not an integer >= {minimum}")
-        return int(text)
-
-    return _argument(check)
-
-
-def _check_time(text: str) -> str:
-    parse_time(text)
-    return text
-
-
-_positive = _integer_at_least(1)
-_non_negative = _integer_at_least(0)
-_time = _argument(_check_time)

@@ -82,6 +82,9 @@ def spawn(
     if nprocs < 1:
         raise ValueError(f"nprocs={nprocs} must be >= 1")
     ctx = mp.get_context(start_method)
+    # typeshed declares Process on each concrete context, not on the BaseContext that
+    # get_context(str) is typed to return; every context it returns has one.
+    process = ctx.Process  # type: ignore[attr-defined]
     env = {
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(free_port()),
@@ -93,7 +96,7 @@ def spawn(
     procs, conns = [], []
     for rank in range(nprocs):
         receiver, sender = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=_entry, args=(fn, rank, tuple(args), env, sender), daemon=False)
+        p = process(target=_entry, args=(fn, rank, tuple(args), env, sender), daemon=False)
         p.start()
         sender.close()
         procs.append(p)

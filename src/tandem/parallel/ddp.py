@@ -25,6 +25,7 @@ from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from tandem._dist import group_size, require_process_group
+from tandem._profile import span
 from tandem._tree import map_tensors
 from tandem.parallel.comm_hooks import CommHook
 from tandem.parallel.join import DDPJoinHook, common_rank, training_ranks
@@ -141,7 +142,8 @@ class DistributedDataParallel(nn.Module, Joinable):
             inputs, kwargs = map_tensors(
                 lambda t: t.to(device, non_blocking=True), (inputs, kwargs)
             )
-        output = self.module(*inputs, **kwargs)
+        with span("tandem.ddp.forward"):
+            output = self.module(*inputs, **kwargs)
         if training:
             self._after_forward(output)
         return output

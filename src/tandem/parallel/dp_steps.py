@@ -28,6 +28,7 @@ import traceback
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, NamedTuple
 
 import torch
@@ -120,7 +121,7 @@ def scatter(
     slices = []
     start = 0
     for size, device in zip(sizes, devices, strict=False):
-        piece = _map_tensors(parts, lambda t, a=start, n=size, d=device: _slice(t, dim, a, n, d))
+        piece = _map_tensors(parts, partial(_slice, dim=dim, start=start, size=size, device=device))
         slices.append(Slice(piece["args"], piece["kwargs"], piece["target"], size))
         start += size
     return slices

@@ -42,6 +42,26 @@ all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_in
 reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+def mean_divisors(dtype: torch.dtype, world_size: int) -> tuple[float | None, float | None]:
+    """The divisors ``(before, after)`` that make a reduce-scatter's sum a mean (None: none).
+
+    torch FSDP2's rule, so that the two agree bit for bit: float32 and bfloat16 sum first and
+    divide the slice after (1/N of the elements to divide; on Gloo exactly what FSDP2's
+    ``ReduceOp.AVG`` computes). Other dtypes, float16's narrow range in mind, divide by a power
+    of two near sqrt(N) before the sum and by the rest after, so that the sum neither overflows
+    nor underflows.
+    """
+    if world_size == 1:
+        return None, None
+    if dtype in (torch.float32, torch.bfloat16):
+        return None, float(world_size)
+    before = 1
+    while world_size % before == 0 and world_size / before > before:
+        before *= 2
+    after = world_size / before
+    return (float(before) if before > 1 else None), (after if after != 1 else None)
+
+
 @dataclass(frozen=True)
 class Entry:
     """One original parameter inside a unit's flat buffer."""
@@ -207,19 +227,23 @@ class FlatUnit:
 
     # -- gradients -----------------------------------------------------------------------------
 
-    def reduce_scatter(self, flat_grad: torch.Tensor) -> tuple[torch.Tensor, dist.Work | None]:
-        """Start averaging ``flat_grad`` over the ranks into this rank's slice.
+    def reduce_scatter(
+        self, flat_grad: torch.Tensor
+    ) -> tuple[torch.Tensor, dist.Work | None, float | None]:
+        """Start summing ``flat_grad`` over the ranks into this rank's slice.
 
-        Returns the slice's buffer and the work to wait on (None when there was nothing to
-        send; then the slice is ``flat_grad`` itself). ``flat_grad`` is divided in place first,
-        as DDP does, so that the sum the collective computes is the mean.
+        Returns the slice's buffer, the work to wait on and the divisor that makes the slice a
+        mean once the work is done (:func:`mean_divisors`); (``flat_grad``, None, None) when
+        there is nothing to send. ``flat_grad`` may be divided in place first.
         """
         if self.world_size == 1:
-            return flat_grad, None
-        flat_grad.div_(self.world_size)
+            return flat_grad, None, None
+        before, after = mean_divisors(flat_grad.dtype, self.world_size)
+        if before is not None:
+            flat_grad.div_(before)
         out = torch.empty_like(self.shard)
         work = reduce_scatter_flat(out, flat_grad, group=self.group, async_op=True)
-        return out, work
+        return out, work, after
 
     def full_values(self) -> dict[str, torch.Tensor]:
         """The gathered parameters as ``{fqn: tensor}`` views of ``full`` (gather first)."""

@@ -11,7 +11,9 @@ this rank's slice only. One training step, stage 3:
 2. Backward, per unit: the first gradient reaching one of the unit's outputs all-gathers its
    parameters again; when the unit's flat gradient is complete it is reduce-scattered, started
    asynchronously, and the parameters are freed.
-3. End of backward (a callback queued in step 2): wait for the reduce-scatters; each shard's
+3. End of backward (a callback queued in step 2): wait for the reduce-scatters and divide
+   the sums by N (:func:`tandem.parallel.flat.mean_divisors`: torch FSDP2's rule, the same
+   bits); each shard's
    ``.grad`` is its slice of the mean gradient (added to, when gradients accumulate).
 4. ``optimizer.step()`` updates the shards; the next forward gathers the new values.
 
@@ -22,13 +24,21 @@ optimizer state are sharded.
 Collectives are issued in the order the units run, so every rank must run the same units in
 the same order, forward and backward (as with torch's FSDP). Buffers are broadcast from rank 0
 once, at construction; frozen parameters stay ordinary, replicated parameters.
+
+What the model is made of (units, names, group) is one record, :class:`FsdpLayout`
+(``model.layout``), which the checkpoints (:mod:`tandem.parallel.fsdp_state`) read. What it does
+shows in torch's profiler as ranges ``tandem.fsdp.forward`` (one per unit forward, the unit
+named in its argument), ``tandem.fsdp.all_gather`` (a gather waited for), ``.all_gather_start``
+(a prefetch started), ``.reduce_scatter``, ``.reduce_scatter_wait`` and ``.finish_backward``;
+its decisions (prefetch, free, keep) are logged at debug level on ``tandem.fsdp``.
 """
 
 from __future__ import annotations
 
+import logging
 import weakref
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
@@ -36,13 +46,18 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.profiler import record_function
 from torch.utils._pytree import tree_flatten
 
 from tandem._dist import group_rank, group_size, require_process_group
+from tandem._profile import OFF, recording
 from tandem.parallel import fsdp_state
 from tandem.parallel.flat import FlatUnit
+from tandem.parallel.fsdp_layout import FsdpLayout, PlainNames
 from tandem.parallel.fsdp_units import AutoWrap, agree_on_units, plan_units
 from tandem.parallel.replicas import broadcast_coalesced, verify_same_model
+
+log = logging.getLogger("tandem.fsdp")
 
 # Reduce-scatters left running at once: each holds a unit's whole flat gradient, so an
 # unbounded number would keep every gradient alive until backward ends, as DDP does.
@@ -113,18 +128,10 @@ class FullyShardedDataParallel(nn.Module):
                 "tandem.DDP with tandem.ShardedOptimizer"
             )
         self.module = module
-        self.stage = stage
-        self.process_group = process_group
-        self.world_size = group_size(process_group)
-        self.rank = group_rank(process_group)
         # Parameters and buffers: the buffers are broadcast below as one flat buffer, whose
         # size must match on every rank.
         verify_same_model(module, process_group, wrapper=wrapper)
-        self.state_keys = list(module.state_dict().keys())
-        self.param_fqns = [name for name, _ in module.named_parameters()]
-        first_name: dict[int, str] = {}
-        registrations = module.named_parameters(remove_duplicate=False)
-        names = [(first_name.setdefault(id(p), key), key, p) for key, p in registrations]
+        names = PlainNames.of(module)  # before flattening takes the parameters away
 
         refused = None
         try:
@@ -140,6 +147,7 @@ class FullyShardedDataParallel(nn.Module):
                 raise
         if refused is not None:  # its own error on the rank that refused auto_wrap
             raise refused
+        assert planned is not None  # a rank without a plan raised above
         units: list[FlatUnit] = []
         unit_of_module: dict[int, FlatUnit] = {}
         for _, m, params in planned:
@@ -147,24 +155,36 @@ class FullyShardedDataParallel(nn.Module):
             unit = FlatUnit(len(units), params, process_group, target)
             units.append(unit)
             unit_of_module[id(m)] = unit
-        self.units = units
         # What stays replicated (buffers, frozen parameters) moves whole and takes rank 0's
         # values; the trainable parameters were broadcast unit by unit above.
         if device is not None:
             module.to(device)
         broadcast_coalesced([*module.parameters(), *module.buffers()], process_group)
-        flattened = {e.fqn for u in units for e in u.entries}
-        # Every state_dict key of a flattened parameter (tied ones have several) -> its fqn.
-        self.key_fqn = {key: fqn for fqn, key, _ in names if fqn in flattened}
+        self.layout = FsdpLayout(
+            module=module,
+            units=tuple(units),
+            unit_names=tuple(name for name, _, _ in planned),
+            stage=stage,
+            process_group=process_group,
+            rank=group_rank(process_group),
+            world_size=group_size(process_group),
+            state_keys=names.state_keys,
+            param_fqns=names.param_fqns,
+            key_fqn=names.key_fqn(units),
+        )
         self.flat_params = nn.ParameterList([u.shard for u in units])
         self._root = unit_of_module.get(id(module))
         self._uses: dict[int, list[_Use]] = {u.index: [] for u in units}
-        self._pending: list[tuple[FlatUnit, torch.Tensor, Any, torch.Tensor]] = []
+        # Reduce-scatters started and not yet added to their shard's .grad: (unit, slice,
+        # work, divisor after, the flat gradient the collective reads from).
+        self._pending: list[tuple[FlatUnit, torch.Tensor, Any, float | None, torch.Tensor]] = []
         self._callback_queued = False
         # The nested units in the order the last forward ran them (whose next one to prefetch),
         # and those of the forward in progress.
         self._order: list[FlatUnit] = []
         self._running: list[FlatUnit] = []
+        # The profiler ranges of the unit forwards in progress (innermost last).
+        self._ranges: list[AbstractContextManager] = []
         for _, m, _ in planned:
             if m is not module:  # the root's unit is gathered by forward itself
                 unit = unit_of_module[id(m)]
@@ -179,16 +199,43 @@ class FullyShardedDataParallel(nn.Module):
         handle = register_optimizer_step_post_hook(_StepWatcher(self))
         weakref.finalize(self, handle.remove)
 
+    # -- the layout (read-only) -----------------------------------------------------------------
+
+    @property
+    def units(self) -> tuple[FlatUnit, ...]:
+        """The flat units, in construction order (each with its shard and its entries)."""
+        return self.layout.units
+
+    @property
+    def stage(self) -> int:
+        return self.layout.stage
+
+    @property
+    def process_group(self) -> dist.ProcessGroup | None:
+        return self.layout.process_group
+
+    @property
+    def rank(self) -> int:
+        return self.layout.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.layout.world_size
+
     # -- forward and backward ------------------------------------------------------------------
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the module, gathering each unit's parameters around its own forward."""
         self._running = []
-        if self._root is not None:
-            self._pre_forward(self._root)
-        elif self._order:
-            self._order[0].gather(async_op=True)
-        out = self.module(*args, **kwargs)
+        try:
+            if self._root is not None:
+                self._pre_forward(self._root)
+            elif self._order:
+                self._prefetch(self._order[0], "the forward")
+            out = self.module(*args, **kwargs)
+        except BaseException:
+            self._close_ranges()  # the failed units' post-forward hooks never ran
+            raise
         self._order = self._running
         if self._root is not None:
             # The root's parameters are needed first in backward: keep them when one follows.
@@ -198,10 +245,15 @@ class FullyShardedDataParallel(nn.Module):
         return out
 
     def _pre_forward(self, unit: FlatUnit) -> None:
+        # The range spans the unit's forward, closed by _post_forward: hooks cannot hold a
+        # `with` block open.
+        span = self._span("forward", unit)
+        span.__enter__()
+        self._ranges.append(span)
         position = len(self._running)
         if unit is not self._root:
             self._running.append(unit)
-        unit.gather()
+        self._gather(unit)
         # Prefetch: the unit that ran next in the last forward starts gathering now, while this
         # one computes. Every rank runs the same units in the same order (required anyway), so
         # the collectives still match; a unit that does not come after all is gathered for
@@ -209,7 +261,7 @@ class FullyShardedDataParallel(nn.Module):
         after = position if unit is self._root else position + 1
         following = self._order[after] if after < len(self._order) else None
         if following is not None and following is not unit:
-            following.gather(async_op=True)
+            self._prefetch(following, "the forward")
         leaf = unit.attach(requires_grad=torch.is_grad_enabled())
         if leaf is not None:
             nested = unit is not self._root and len(self._running) > 1
@@ -222,10 +274,18 @@ class FullyShardedDataParallel(nn.Module):
         # gathering it again back to back.
         last = torch.is_grad_enabled() and self._order[-1:] == [unit]
         if self.stage == 3 and free and not last:
-            unit.free()
+            self._free(unit, "after its forward")
+        elif self.stage == 3:
+            self._debug("kept after its forward: its backward comes first", unit)
         # Outputs need grad only when this forward made a use (grad mode): hooks go on those.
         self._hook_outputs(unit if self._uses[unit.index] else None, out)
+        if self._ranges:
+            self._ranges.pop().__exit__(None, None, None)
         return out
+
+    def _close_ranges(self) -> None:
+        while self._ranges:
+            self._ranges.pop().__exit__(None, None, None)
 
     def _hook_outputs(self, unit: FlatUnit | None, out: Any) -> None:
         use = self._uses[unit.index][-1] if unit is not None else None
@@ -243,38 +303,48 @@ class FullyShardedDataParallel(nn.Module):
         use.in_backward = True
         # Usually gathered already by an earlier output's hook or a prefetch; again after a
         # retain_graph backward freed it.
-        unit.gather()
+        self._gather(unit)
         before = use.before
         if unit is self._root and self._order:
             before = self._order[-1]
         if first and before is not None and before is not unit:
-            before.gather(async_op=True)  # its backward comes next
+            self._prefetch(before, "its backward, which comes next")
 
     def _reduce(self, unit: FlatUnit, use: _Use, leaf: torch.Tensor) -> None:
         grad, leaf.grad = leaf.grad, None
-        out, work = unit.reduce_scatter(grad)
-        self._pending.append((unit, out, work, grad))
+        assert grad is not None  # this hook runs after the gradient was accumulated
+        with self._span("reduce_scatter", unit):
+            out, work, after = unit.reduce_scatter(grad)
+        self._pending.append((unit, out, work, after, grad))
         self._fold(REDUCES_IN_FLIGHT)
         uses = self._uses[unit.index]
         if use in uses:  # not on a second backward through a retained graph
             uses.remove(use)
+        if self.stage != 3:
+            return
         # Another forward's backward of this unit may still need the parameters.
-        if self.stage == 3 and not any(u.in_backward for u in uses):
-            unit.free()
+        if any(u.in_backward for u in uses):
+            self._debug("kept after its backward: another use's backward is running", unit)
+        else:
+            self._free(unit, "resharded after its backward")
 
     def _fold(self, limit: int) -> None:
-        """Add finished reduce-scatters to the shards' ``.grad``, oldest first, and drop their
-        flat gradients; wait for the oldest while more than ``limit`` are running.
+        """Add finished reduce-scatters, divided into means, to the shards' ``.grad``, oldest
+        first, and drop their flat gradients; wait for the oldest while more than ``limit`` are
+        running.
 
         Always in the order they were started, so that a unit reduced twice (called twice in a
         forward) sums its parts in the same order on every run.
         """
         while self._pending:
-            unit, out, work, _grad = self._pending[0]
+            unit, out, work, after, _grad = self._pending[0]
             if len(self._pending) <= limit and work is not None and not work.is_completed():
                 return
             if work is not None:
-                work.wait()
+                with self._span("reduce_scatter_wait", unit):
+                    work.wait()
+            if after is not None:
+                out.div_(after)
             self._pending.pop(0)
             shard = unit.shard
             if shard.grad is None:
@@ -284,11 +354,46 @@ class FullyShardedDataParallel(nn.Module):
 
     def _finish_backward(self) -> None:
         self._callback_queued = False
-        self._fold(0)
-        for unit in self.units:
-            self._uses[unit.index].clear()
-            if self.stage == 3:
-                unit.free()
+        with self._span("finish_backward"):
+            self._fold(0)
+            for unit in self.units:
+                self._uses[unit.index].clear()
+                if self.stage == 3:
+                    self._free(unit, "end of backward")
+
+    # -- gathering and freeing, with their traces -----------------------------------------------
+
+    def _gather(self, unit: FlatUnit) -> None:
+        """Whole parameters in ``unit`` now: waits for its prefetch, or all-gathers."""
+        with self._span("all_gather", unit):
+            unit.gather()
+
+    def _prefetch(self, unit: FlatUnit, why: str) -> None:
+        """Start ``unit``'s all-gather without waiting for it (unless it is current already)."""
+        if unit.is_current:  # gathered, or its all-gather already in flight
+            return
+        self._debug("prefetched for %s", unit, why)
+        with self._span("all_gather_start", unit):
+            unit.gather(async_op=True)
+
+    def _free(self, unit: FlatUnit, why: str) -> None:
+        if unit.is_gathered:
+            self._debug("freed (%s)", unit, why)
+        unit.free()
+
+    def _span(self, phase: str, unit: FlatUnit | None = None) -> AbstractContextManager:
+        """The profiler range ``tandem.fsdp.<phase>`` (``unit`` named in its argument), or
+        nothing while no profiler records: a range costs microseconds even then, a real share
+        of a small unit's step."""
+        if not recording():
+            return OFF
+        return record_function(
+            f"tandem.fsdp.{phase}", None if unit is None else self.layout.label(unit)
+        )
+
+    def _debug(self, message: str, unit: FlatUnit, *args: Any) -> None:
+        if log.isEnabledFor(logging.DEBUG):  # no label built for nothing
+            log.debug("rank %d, unit %s: " + message, self.rank, self.layout.label(unit), *args)
 
     # -- whole parameters ----------------------------------------------------------------------
 
@@ -304,7 +409,7 @@ class FullyShardedDataParallel(nn.Module):
                 print(net.head.weight.norm())
         """
         for unit in self.units:
-            unit.gather()
+            self._gather(unit)
             unit.attach(requires_grad=False)
         try:
             yield self.module
@@ -328,7 +433,7 @@ class FullyShardedDataParallel(nn.Module):
             if tandem.world().is_main:
                 torch.save(full, "model.pt")        # loads into the unwrapped model
         """
-        return fsdp_state.full_state_dict(self, to)
+        return fsdp_state.full_state_dict(self.layout, to)
 
     def load_full_state_dict(self, state: dict[str, Any]) -> None:
         """Load a plain module's ``state_dict()`` on every rank (any world size saved it).
@@ -337,7 +442,7 @@ class FullyShardedDataParallel(nn.Module):
 
             model.load_full_state_dict(torch.load("model.pt", weights_only=True))
         """
-        fsdp_state.load_full_state_dict(self, state)
+        fsdp_state.load_full_state_dict(self.layout, state)
 
     def sharded_state_dict(self) -> dict[str, Any]:
         """This rank's shards with their layout: one file per rank, same world size to load.
@@ -346,7 +451,7 @@ class FullyShardedDataParallel(nn.Module):
 
             torch.save(model.sharded_state_dict(), f"ckpt/rank{tandem.world().rank}.pt")
         """
-        return fsdp_state.sharded_state_dict(self)
+        return fsdp_state.sharded_state_dict(self.layout)
 
     def load_sharded_state_dict(self, state: dict[str, Any]) -> None:
         """Load this rank's :meth:`sharded_state_dict` (checked: same world size and units).
@@ -356,7 +461,7 @@ class FullyShardedDataParallel(nn.Module):
             rank = tandem.world().rank
             model.load_sharded_state_dict(torch.load(f"ckpt/rank{rank}.pt", weights_only=True))
         """
-        fsdp_state.load_sharded_state_dict(self, state)
+        fsdp_state.load_sharded_state_dict(self.layout, state)
 
     def full_optim_state_dict(
         self, optimizer: torch.optim.Optimizer, to: int = 0
@@ -371,7 +476,7 @@ class FullyShardedDataParallel(nn.Module):
             if tandem.world().is_main:
                 torch.optim.AdamW(plain.parameters()).load_state_dict(full)
         """
-        return fsdp_state.full_optim_state_dict(self, optimizer, to)
+        return fsdp_state.full_optim_state_dict(self.layout, optimizer, to)
 
     def load_full_optim_state_dict(
         self, optimizer: torch.optim.Optimizer, state: dict[str, Any]
@@ -385,7 +490,7 @@ class FullyShardedDataParallel(nn.Module):
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
             model.load_full_optim_state_dict(opt, torch.load("optim.pt", weights_only=True))
         """
-        fsdp_state.load_full_optim_state_dict(self, optimizer, state)
+        fsdp_state.load_full_optim_state_dict(self.layout, optimizer, state)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the gradients by their norm over all ranks' shards; the total norm.

@@ -11,68 +11,69 @@
   rank, no communication, and it loads only at the same world size into the same model (both
   checked, with an error that points to the full form).
 
+Every function takes the model's :class:`~tandem.parallel.fsdp_layout.FsdpLayout` (its units,
+names and group), never the wrapper itself: the wrapper's methods of the same names call these.
+
 Example::
 
-    full = full_state_dict(model, to=0)             # rank 0: loads into the plain module
-    shard = sharded_state_dict(model)               # every rank: save as its own file
-    load_sharded_state_dict(model, shard)
+    full = full_state_dict(model.layout, to=0)      # rank 0: loads into the plain module
+    shard = sharded_state_dict(model.layout)        # every rank: save as its own file
+    load_sharded_state_dict(model.layout, shard)
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from tandem._dist import agree
 from tandem.parallel.flat import FlatUnit, all_gather_flat
-
-if TYPE_CHECKING:
-    from tandem.parallel.fsdp import FullyShardedDataParallel
+from tandem.parallel.fsdp_layout import FsdpLayout
 
 SHARDED_FORMAT = "tandem.fsdp.sharded/1"
 
 
-def _gathered_values(model: FullyShardedDataParallel, to: int) -> dict[str, torch.Tensor]:
+def _gathered_values(layout: FsdpLayout, to: int) -> dict[str, torch.Tensor]:
     """``{fqn: CPU tensor}`` of every flattened parameter on rank ``to`` (empty elsewhere)."""
     values: dict[str, torch.Tensor] = {}
-    for unit in model.units:
+    for unit in layout.units:
         was_current = unit.is_current
         unit.gather()
-        if model.rank == to:
+        if layout.rank == to:
             values.update({k: v.detach().cpu().clone() for k, v in unit.full_values().items()})
-        if model.stage == 3 and not was_current:
+        if layout.stage == 3 and not was_current:
             unit.free()
     return values
 
 
-def full_state_dict(model: FullyShardedDataParallel, to: int = 0) -> dict[str, Any] | None:
+def full_state_dict(layout: FsdpLayout, to: int = 0) -> dict[str, Any] | None:
     """The plain module's ``state_dict()`` on group rank ``to``, None elsewhere (a collective)."""
-    if not 0 <= to < model.world_size:
-        raise ValueError(f"to={to} not in [0, {model.world_size})")
-    values = _gathered_values(model, to)
-    if model.rank != to:
+    if not 0 <= to < layout.world_size:
+        raise ValueError(f"to={to} not in [0, {layout.world_size})")
+    values = _gathered_values(layout, to)
+    if layout.rank != to:
         return None
-    rest = model.module.state_dict()
+    rest = layout.module.state_dict()
     return {
-        key: values[model.key_fqn[key]] if key in model.key_fqn else rest[key].detach().cpu()
-        for key in model.state_keys
+        key: values[layout.key_fqn[key]] if key in layout.key_fqn else rest[key].detach().cpu()
+        for key in layout.state_keys
     }
 
 
-def load_full_state_dict(model: FullyShardedDataParallel, state: dict[str, Any]) -> None:
+def load_full_state_dict(layout: FsdpLayout, state: dict[str, Any]) -> None:
     """Load a plain module's ``state_dict()`` on every rank, whatever world size saved it."""
-    known = set(model.state_keys)
-    missing = [k for k in model.state_keys if k not in state]
+    known = set(layout.state_keys)
+    missing = [k for k in layout.state_keys if k not in state]
     unexpected = [k for k in state if k not in known]
     if missing or unexpected:
         raise ValueError(
             f"state dict does not match the wrapped module: missing keys {missing}, unexpected "
             f"keys {unexpected}. Load a state_dict() of the same (unwrapped) model"
         )
-    by_fqn = {model.key_fqn[k]: v for k, v in state.items() if k in model.key_fqn}
+    by_fqn = {layout.key_fqn[k]: v for k, v in state.items() if k in layout.key_fqn}
     with torch.no_grad():
-        for unit in model.units:
+        for unit in layout.units:
             for e in unit.entries:
                 got = tuple(by_fqn[e.fqn].shape)
                 if got != tuple(e.shape):
@@ -81,26 +82,22 @@ def load_full_state_dict(model: FullyShardedDataParallel, state: dict[str, Any])
                         f"has shape {tuple(e.shape)}"
                     )
             unit.shard.copy_(unit.shard_of(by_fqn))
-    model.module.load_state_dict({k: v for k, v in state.items() if k not in model.key_fqn})
+    layout.module.load_state_dict({k: v for k, v in state.items() if k not in layout.key_fqn})
 
 
-def _layout(model: FullyShardedDataParallel) -> list[list[tuple[str, tuple[int, ...]]]]:
-    return [[(e.fqn, tuple(e.shape)) for e in unit.entries] for unit in model.units]
-
-
-def sharded_state_dict(model: FullyShardedDataParallel) -> dict[str, Any]:
+def sharded_state_dict(layout: FsdpLayout) -> dict[str, Any]:
     """This rank's shards, buffers and frozen parameters, with the layout (no communication)."""
     return {
         "format": SHARDED_FORMAT,
-        "rank": model.rank,
-        "world_size": model.world_size,
-        "layout": _layout(model),
-        "shards": [unit.shard.detach().cpu().clone() for unit in model.units],
-        "rest": {k: v.detach().cpu() for k, v in model.module.state_dict().items()},
+        "rank": layout.rank,
+        "world_size": layout.world_size,
+        "layout": layout.signature(),
+        "shards": [unit.shard.detach().cpu().clone() for unit in layout.units],
+        "rest": {k: v.detach().cpu() for k, v in layout.module.state_dict().items()},
     }
 
 
-def load_sharded_state_dict(model: FullyShardedDataParallel, state: dict[str, Any]) -> None:
+def load_sharded_state_dict(layout: FsdpLayout, state: dict[str, Any]) -> None:
     """Load what :func:`sharded_state_dict` saved on this rank (same world size and model)."""
     if not isinstance(state, dict) or state.get("format") != SHARDED_FORMAT:
         raise ValueError(
@@ -108,21 +105,21 @@ def load_sharded_state_dict(model: FullyShardedDataParallel, state: dict[str, An
             f"{SHARDED_FORMAT!r}); a plain state_dict() loads with load_full_state_dict"
         )
     saved = (state["rank"], state["world_size"])
-    if saved != (model.rank, model.world_size):
+    if saved != (layout.rank, layout.world_size):
         raise ValueError(
             f"sharded state dict of rank {saved[0]} of {saved[1]} cannot load into rank "
-            f"{model.rank} of {model.world_size}: a sharded checkpoint loads at the world size "
+            f"{layout.rank} of {layout.world_size}: a sharded checkpoint loads at the world size "
             "that wrote it; save and load a full state dict to change the world size"
         )
-    if [[(f, tuple(s)) for f, s in unit] for unit in state["layout"]] != _layout(model):
+    if [[(f, tuple(s)) for f, s in unit] for unit in state["layout"]] != layout.signature():
         raise ValueError(
             "sharded state dict was cut from another model or auto_wrap (its units differ): "
             "wrap the same model the same way, or load a full state dict"
         )
     with torch.no_grad():
-        for unit, shard in zip(model.units, state["shards"], strict=True):
+        for unit, shard in zip(layout.units, state["shards"], strict=True):
             unit.shard.copy_(shard)
-    model.module.load_state_dict(state["rest"])
+    layout.module.load_state_dict(state["rest"])
 
 
 # -- optimizer ---------------------------------------------------------------------------------
@@ -136,12 +133,12 @@ class _PlainIndex:
     a frozen parameter: itself), ``units[id(p)]`` the unit of a shard.
     """
 
-    def __init__(self, model: FullyShardedDataParallel) -> None:
-        self.index = {fqn: i for i, fqn in enumerate(model.param_fqns)}
-        self.names = {id(u.shard): [e.fqn for e in u.entries] for u in model.units}
-        for fqn, p in model.module.named_parameters():
+    def __init__(self, layout: FsdpLayout) -> None:
+        self.index = {fqn: i for i, fqn in enumerate(layout.param_fqns)}
+        self.names = {id(u.shard): [e.fqn for e in u.entries] for u in layout.units}
+        for fqn, p in layout.module.named_parameters():
             self.names[id(p)] = [fqn]
-        self.units = {id(u.shard): u for u in model.units}
+        self.units = {id(u.shard): u for u in layout.units}
 
     def group_ids(self, group: dict[str, Any]) -> list[int]:
         """The plain parameter ids an optimizer group over wrapper parameters stands for."""
@@ -162,18 +159,18 @@ def _elementwise(key: str, values: list[Any], unit: FlatUnit) -> bool:
 
 
 def full_optim_state_dict(
-    model: FullyShardedDataParallel, optimizer: torch.optim.Optimizer, to: int = 0
+    layout: FsdpLayout, optimizer: torch.optim.Optimizer, to: int = 0
 ) -> dict[str, Any] | None:
     """A plain optimizer's ``state_dict()`` over the plain module, on rank ``to`` (a collective).
 
     It loads into ``optimizer_class(plain_module.parameters())``, and into this optimizer at any
     world size through :func:`load_full_optim_state_dict`.
     """
-    if not 0 <= to < model.world_size:
-        raise ValueError(f"to={to} not in [0, {model.world_size})")
-    plain = _PlainIndex(model)
+    if not 0 <= to < layout.world_size:
+        raise ValueError(f"to={to} not in [0, {layout.world_size})")
+    plain = _PlainIndex(layout)
     index, names, units = plain.index, plain.names, plain.units
-    keep = model.rank == to  # the others only join the all-gathers
+    keep = layout.rank == to  # the others only join the all-gathers
     saved = optimizer.state_dict()
     params = [p for g in optimizer.param_groups for p in g["params"]]
     keys = sorted(
@@ -184,7 +181,7 @@ def full_optim_state_dict(
     agree(
         keys,
         "the optimizer's state (which shards hold it, under which keys)",
-        model.process_group,
+        layout.process_group,
         explain=_first_keys_difference,
         fix="Step the optimizer on every rank alike before saving",
     )
@@ -201,8 +198,8 @@ def full_optim_state_dict(
             value = own[key]
             if isinstance(value, torch.Tensor) and value.shape == unit.shard.shape:
                 full = torch.empty(unit.padded, dtype=value.dtype, device=value.device)
-                if model.world_size > 1:
-                    all_gather_flat(full, value.contiguous(), group=model.process_group)
+                if layout.world_size > 1:
+                    all_gather_flat(full, value.contiguous(), group=layout.process_group)
                 else:
                     full.copy_(value)
                 if keep:
@@ -225,10 +222,10 @@ def full_optim_state_dict(
 
 
 def load_full_optim_state_dict(
-    model: FullyShardedDataParallel, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+    layout: FsdpLayout, optimizer: torch.optim.Optimizer, state: dict[str, Any]
 ) -> None:
     """Load a plain optimizer's state dict (see :func:`full_optim_state_dict`) on every rank."""
-    plain = _PlainIndex(model)
+    plain = _PlainIndex(layout)
     saved_groups = state["param_groups"]
     if len(saved_groups) != len(optimizer.param_groups):
         raise ValueError(
@@ -266,7 +263,9 @@ def _cut(unit: FlatUnit, entries: list[dict[str, Any] | None], shard: torch.Tens
         missing = [e.fqn for e, s in zip(unit.entries, entries, strict=True) if s is None]
         raise ValueError(f"optimizer state has no entry for parameters {missing}")
     out: dict[str, Any] = {}
-    for key in entries[0]:
+    first = entries[0]
+    assert first is not None  # checked above
+    for key in first:
         values = [s[key] for s in entries]  # type: ignore[index]
         if _elementwise(key, values, unit):
             by_fqn = {e.fqn: v for e, v in zip(unit.entries, values, strict=True)}

@@ -164,6 +164,8 @@ class _Answerer:
     store: Any = None
     _base: Any = None
     _thread: threading.Thread | None = None
+    _main = 0  # the main thread's ident, where a verdict is raised
+    _rank = -1  # this process's global rank, under which it answers
     _stop = threading.Event()
     # A collective of this process can never complete: the backend would wait for it forever
     # while the interpreter exits, so the exit is made immediate (see _exiting).
@@ -179,7 +181,9 @@ class _Answerer:
             atexit.register(cls._exiting)
         cls._base = base
         cls.store = dist.PrefixStore("tandem/lockstep/", base)
-        cls._main = threading.main_thread().ident
+        main = threading.main_thread().ident
+        assert main is not None  # only a thread not yet started has no ident
+        cls._main = main
         cls._rank = dist.get_rank()
         cls._thread = threading.Thread(
             target=cls._run, args=(cls.store, cls._rank), name="tandem-lockstep", daemon=True

@@ -32,6 +32,7 @@ backwards launch a parameter's bucket after its last expected gradient.
 from __future__ import annotations
 
 import enum
+import logging
 import sys
 from collections.abc import Sequence
 from functools import partial
@@ -44,6 +45,7 @@ from torch.autograd.function import BackwardCFunction
 
 from tandem import _tree
 from tandem._dist import global_rank, group_size
+from tandem._profile import span
 from tandem.parallel import lockstep
 from tandem.parallel.agreement import Agreement
 from tandem.parallel.buckets import MIB, Bucket, assign_buckets, build_buckets
@@ -54,6 +56,8 @@ DEFAULT_BUCKET_MB = 25.0
 # early in backward; an explicit bucket_cap_mb applies to every bucket (torch's rule).
 DEFAULT_FIRST_BUCKET_MB = 1.0
 
+
+log = logging.getLogger(__name__)
 
 # A gradient of at least this many elements is copied into its bucket as soon as it is ready,
 # the division fused (one pass, while the gradient is still in cache: the copy is memory-bound);
@@ -233,8 +237,13 @@ class Reducer:
             order = t.tolist()
         layout = self._layout(order)
         if layout == self.layout:
+            log.debug("bucket rebuild: the learnt order gives the same %d bucket(s)", len(layout))
             return False
         self._install(layout)
+        log.debug(
+            "buckets rebuilt in the order gradients became ready: %d bucket(s) of %s parameters",
+            len(layout), [len(b) for b in layout],
+        )  # fmt: skip
         return True
 
     def _recording(self) -> bool:
@@ -378,8 +387,9 @@ class Reducer:
         """
         params, as_view, scale = self.params, self.as_view, self.fill_scale
         if not as_view and not self.has_eager[bucket.index]:
-            grads = [params[i].grad for i in bucket.params]
-            if all(g is not None for g in grads):
+            maybe = [params[i].grad for i in bucket.params]
+            grads = [g for g in maybe if g is not None]
+            if len(grads) == len(maybe):
                 # The common case: one call copies, one kernel scales the whole buffer.
                 torch._foreach_copy_(bucket.views, grads)
                 if scale is not None:
@@ -410,6 +420,10 @@ class Reducer:
             torch._foreach_mul_(scaled, scale)
 
     def _launch(self, bucket: Bucket) -> torch.futures.Future | dist.Work:
+        with span("tandem.ddp.bucket_reduce", f"bucket {bucket.index}"):
+            return self._reduce(bucket)
+
+    def _reduce(self, bucket: Bucket) -> torch.futures.Future | dist.Work:
         self._fill(bucket)
         if self.hook is not None:
             is_last = bucket.index == len(self.buckets) - 1
@@ -446,10 +460,12 @@ class Reducer:
                 if self.serial and k > 0:
                     self.futures[k - 1].wait()  # type: ignore[union-attr]
                 fut = self.futures[k] = self._launch(bucket)
-            if isinstance(fut, dist.Work):
-                self.wait(fut, f"gradient all-reduce, bucket {k}")  # reduced in place
-            else:
-                result = fut.wait()
+            with span("tandem.ddp.bucket_wait", f"bucket {k}"):
+                if isinstance(fut, dist.Work):
+                    self.wait(fut, f"gradient all-reduce, bucket {k}")  # reduced in place
+                    result = bucket.flat
+                else:
+                    result = fut.wait()
                 if isinstance(result, list):  # a hook returned work.get_future() as is
                     result = result[0]
                 if result is not bucket.flat:

@@ -218,7 +218,7 @@ def broadcast_coalesced(
     tensors: Sequence[torch.Tensor],
     group: dist.ProcessGroup | None = None,
     src: int = 0,
-    wait: Callable[[dist.Work], None] = dist.Work.wait,
+    wait: Callable[[dist.Work], object] = dist.Work.wait,
 ) -> None:
     """Overwrite ``tensors`` on every rank with group rank ``src``'s values.
 

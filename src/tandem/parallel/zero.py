@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 
 from tandem._dist import global_rank, group_rank, group_size, require_process_group
+from tandem._profile import span
 from tandem.parallel.replicas import verify_same_parameters
 from tandem.parallel.sharding import assign_owners
 
@@ -130,9 +131,11 @@ class ShardedOptimizer(Optimizer):
         # Phase 2: step this rank's shard with the current outer hyperparameters.
         for outer, inner in zip(self.param_groups, self.optimizer.param_groups, strict=True):
             inner.update({k: v for k, v in outer.items() if k != "params"})
-        self.optimizer.step()
+        with span("tandem.zero.step"):
+            self.optimizer.step()
         # Phase 3: every parameter from its owner.
-        self._broadcast_from_owners()
+        with span("tandem.zero.broadcast"):
+            self._broadcast_from_owners()
         return loss
 
     def _broadcast_from_owners(self) -> None:
@@ -202,6 +205,7 @@ class ShardedOptimizer(Optimizer):
             mine[i]: {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
             for i, s in inner["state"].items()
         }
+        shards: list[Any] | None  # every rank's shard, on rank `to` only
         if self.world_size == 1:
             shards = [shard]
         else:
@@ -211,6 +215,7 @@ class ShardedOptimizer(Optimizer):
             )
         if self.rank != to:
             return None
+        assert shards is not None  # rank `to` gathered into its list
         state = {i: s for part in shards for i, s in part.items()}
         groups, start = [], 0
         for g in self.param_groups:

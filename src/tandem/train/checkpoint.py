@@ -200,8 +200,8 @@ def list_checkpoints(run_dir: str | Path) -> list[Path]:
     ckpt_dir = _checkpoints_dir(Path(run_dir))
     if not ckpt_dir.is_dir():
         return []
-    found = [e for e in ckpt_dir.iterdir() if _key(e.name) and _sidecar(e).is_file()]
-    return sorted(found, key=lambda e: _key(e.name))
+    keyed = [(_key(e.name), e) for e in ckpt_dir.iterdir() if _sidecar(e).is_file()]
+    return [e for _, e in sorted((k, e) for k, e in keyed if k is not None)]
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
@@ -313,7 +313,7 @@ def _others_hint(file: Path) -> str:
     if not others:
         return f" No other checkpoints in {file.parent}."
     key = _key(file.name)
-    earlier = [p for p in others if key is None or _key(p.name) < key]
+    earlier = [p for p in others if key is None or (_key(p.name) or (-1, -1)) < key]
     best = (earlier or others)[-1]
     return (
         f" Other checkpoints in {file.parent}: {_names(others)}; load one by its path, e.g. "

@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import hashlib
 import signal
-from collections.abc import Iterator
+from collections.abc import Iterator, Sized
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -109,14 +109,19 @@ def make_loaders(
     if num_workers:
         workers["worker_init_fn"] = _quiet_worker
     sampler = DistributedSampler(
-        train_data, world.world_size, world.rank, shuffle=True, seed=seed, drop_last=drop_last
+        cast(Sized, train_data),
+        world.world_size,
+        world.rank,
+        shuffle=True,
+        seed=seed,
+        drop_last=drop_last,
     )
     train = DataLoader(
         train_data, batch_size, sampler=sampler, generator=torch.Generator(), **workers
     )
     eval_sampler = eval_loader = None
     if eval_data is not None:
-        eval_sampler = EvalSampler(eval_data, world.world_size, world.rank)
+        eval_sampler = EvalSampler(cast(Sized, eval_data), world.world_size, world.rank)
         eval_loader = DataLoader(
             eval_data,
             eval_batch_size,

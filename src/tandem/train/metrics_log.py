@@ -9,11 +9,13 @@ crash) never sees half a file. Only the main rank calls these.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from tandem._optional import require
+from tandem.files import rename_into_place, write_temp
 
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "metrics.png"
@@ -52,9 +54,8 @@ class Summary:
 
 
 def _replace(path: Path, write: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    write(tmp)
-    os.replace(tmp, path)
+    # Whole or absent: a reader (a dashboard tailing the run) never sees half a file.
+    rename_into_place(write_temp(path.parent, path.name, write), path)
 
 
 def epoch_line(record: dict[str, Any]) -> str:
@@ -81,21 +82,24 @@ def write_metrics(run_dir: Path, history: Sequence[dict[str, Any]]) -> Path:
     """
     path = run_dir / METRICS_FILE
     text = "".join(json.dumps(record) + "\n" for record in history)
-    _replace(path, lambda tmp: tmp.write_text(text))
+    _replace(path, lambda f: f.write(text.encode()))
     return path
 
 
 def plot_metrics(run_dir: Path, history: Sequence[dict[str, Any]]) -> Path:
     """Draw the loss curves (train, eval) and the eval accuracy per epoch to ``metrics.png``.
 
+    Raises:
+        ImportError: matplotlib is missing (``pip install "tandem[plots]"``).
+
     Example::
 
         plot_metrics(Path("runs/wine"), history)
     """
-    # Imported here: matplotlib takes a noticeable part of a second to import, and only the
-    # main rank plots. A bare Figure renders with Agg and touches no pyplot global state, so
-    # it works without a display and inside any application.
-    from matplotlib.figure import Figure
+    # Imported here: matplotlib is the optional "plots" extra, it takes a noticeable part of a
+    # second to import, and only the main rank plots. A bare Figure renders with Agg and
+    # touches no pyplot global state, so it works without a display and inside any application.
+    Figure = require("matplotlib.figure", extra="plots").Figure
 
     epochs = [r["epoch"] for r in history]
     accuracy = [r.get("eval_accuracy") for r in history]
@@ -114,5 +118,5 @@ def plot_metrics(run_dir: Path, history: Sequence[dict[str, Any]]) -> Path:
     for ax in axes:
         ax.grid(alpha=0.3)
     path = run_dir / PLOT_FILE
-    _replace(path, lambda tmp: fig.savefig(tmp, format="png", dpi=100))
+    _replace(path, lambda f: fig.savefig(f, format="png", dpi=100))
     return path

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import sys
 import time
+import warnings
+from typing import Any
 
-from tqdm import tqdm
+from tandem._optional import require
 
 LOG_INTERVAL_S = 30.0
 
@@ -23,6 +25,15 @@ def _clock(seconds: float) -> str:
     minutes, secs = divmod(int(max(seconds, 0)), 60)
     hours, minutes = divmod(minutes, 60)
     return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes:02d}:{secs:02d}"
+
+
+def _tqdm() -> Any:
+    """tqdm's bar class; without the ``progress`` extra, None (lines are printed instead)."""
+    try:
+        return require("tqdm", extra="progress").tqdm
+    except ImportError as e:
+        warnings.warn(f"no progress bar, lines instead: {e}", stacklevel=3)
+        return None
 
 
 class Progress:
@@ -46,8 +57,9 @@ class Progress:
         self._left = batches_left
         self._done = 0
         self._since = time.monotonic()
-        self._bar: tqdm | None = None
-        self._terminal = sys.stderr.isatty()
+        self._bar: Any = None
+        self._tqdm: Any = _tqdm() if enabled and sys.stderr.isatty() else None
+        self._terminal = self._tqdm is not None
         self._epoch = (0, 0, 0)  # epoch, max_epochs, batches in it
         self._batch = 0
         self._logged = time.monotonic()
@@ -56,7 +68,7 @@ class Progress:
         """Open the bar of epoch ``epoch`` (counted from 1), ``done`` of ``batches`` already run."""
         self._epoch, self._batch = (epoch, max_epochs, batches), done
         if self.enabled and self._terminal:
-            self._bar = tqdm(
+            self._bar = self._tqdm(
                 total=batches,
                 initial=done,
                 desc=f"epoch {epoch}/{max_epochs}",

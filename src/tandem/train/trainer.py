@@ -11,34 +11,36 @@ The loop, as its steps::
         _end_epoch()                          loss over ranks, exact evaluation, metrics files
         save every `save_every` epochs        rank 0 writes, after gathering every rank's RNG
 
-A resumed run ends bitwise where the uninterrupted run would: :mod:`tandem.train.snapshot`
-says what a checkpoint holds and why each piece is needed.
+The Trainer talks to the model's engine only through :class:`tandem.parallel.engine.Engine`
+(sync, clip, save, load), keeps where the run stands in one
+:class:`tandem.train.run_state.RunState`, and hands both to the
+:class:`tandem.train.checkpointer.Checkpointer`. A resumed run ends bitwise where the
+uninterrupted run would: :mod:`tandem.train.run_state` says which pieces that takes and why.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+import warnings
+from collections.abc import Callable, Sized
+from contextlib import nullcontext
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 from torch import nn
 from torch.utils.data import Dataset
 
 import tandem
-from tandem.parallel.ddp import DistributedDataParallel
-from tandem.parallel.fsdp import FullyShardedDataParallel
-from tandem.train import snapshot
+from tandem.parallel.engine import make_engine
+from tandem.train.checkpointer import Checkpointer, check_writable
 from tandem.train.collective import wait_for_all
 from tandem.train.evaluation import evaluate
 from tandem.train.loaders import make_loaders
 from tandem.train.metrics_log import Summary, epoch_line, plot_metrics, write_metrics
-from tandem.train.model_state import check_set_up, restore_engine
 from tandem.train.progress import Progress
-from tandem.train.requests import Agreement, Requests
-from tandem.train.rng import restore_rng_state
+from tandem.train.requests import Agreement
+from tandem.train.run_state import RunState
 
 
 class Trainer:
@@ -104,7 +106,7 @@ class Trainer:
             are gathered into a plain ``state_dict()`` that loads at any world size) or
             ``"sharded"`` (each rank also writes its own shards, nothing is gathered; loads at
             the same world size). Sharded needs a :class:`tandem.FullyShardedDataParallel`
-            model or a :class:`tandem.ShardedOptimizer`; see :mod:`tandem.train.model_state`.
+            model or a :class:`tandem.ShardedOptimizer`; see :mod:`tandem.parallel.engine`.
 
     Sharded training: pass a model already wrapped in :class:`tandem.FullyShardedDataParallel`
     with an optimizer over its ``parameters()`` (it is not wrapped in DDP again), or a plain
@@ -169,8 +171,7 @@ class Trainer:
             raise ValueError(
                 f"scheduler_interval must be 'epoch' or 'step', not {scheduler_interval!r}"
             )
-        check_set_up(model, optimizer, checkpoint_format, scaler)
-        if eval_data is not None and len(eval_data) == 0:
+        if eval_data is not None and len(cast(Sized, eval_data)) == 0:
             raise ValueError("eval_data is empty (len 0): there is nothing to evaluate")
 
         self.world = tandem.init()  # a no-op when the script already called it
@@ -178,20 +179,26 @@ class Trainer:
         self.loss_fn = loss_fn
         self.max_epochs = max_epochs
         self.save_every = save_every
-        self.batch_size = batch_size
-        self.grad_accum_steps = grad_accum_steps
         self.scheduler = scheduler
         self.scheduler_interval = scheduler_interval
         self.scaler = scaler
-        self.seed = seed
-        self.keep_checkpoints = keep_checkpoints
+        self.grad_accum_steps = grad_accum_steps
         self.check_every = check_every
         self.show_progress = progress
-        self.optimizer = optimizer
-        self.sharded_checkpoints = checkpoint_format == "sharded"
-        snapshot.check_writable(self.run_dir, self.world.is_main)
+        # The model as forward calls it (tandem.DDP when world > 1), its optimizer, and how
+        # they sync, clip and save: the Trainer never asks which engine it is.
+        self.engine = make_engine(
+            model.to(self.world.device),
+            optimizer,
+            ddp_kwargs=ddp_kwargs,
+            checkpoint_format=checkpoint_format,
+            scaler=scaler,
+        )
+        self.checkpointer = Checkpointer(
+            self.run_dir, keep=keep_checkpoints, kind=checkpoint_format
+        )
+        check_writable(self.run_dir)
 
-        self.module = model.to(self.world.device)
         self.loaders = make_loaders(
             self.world,
             train_data,
@@ -204,30 +211,67 @@ class Trainer:
         )
         self.sampler = self.loaders.sampler  # its len() is this rank's samples per epoch
         self.train_loader, self.eval_loader = self.loaders.train, self.loaders.eval
-
-        # Where the run stands; all of it goes into a checkpoint (snapshot.py).
-        self.epoch = 0  # epochs completed = index of the epoch in progress
-        self.step = 0  # optimizer steps taken
-        self.batch = 0  # batches of the epoch in progress handed out
-        self.epoch_loss = [0.0, 0]  # this rank's loss sum and sample count in the epoch
-        self.epoch_seconds = 0.0  # training time of the epoch in progress
-        self.elapsed = 0.0  # seconds in train(), over every session of the run
-        self._clock = (time.monotonic(), 0.0)  # (start of this session, elapsed before it)
-        self.history: list[dict[str, Any]] = []
-        self.last_checkpoint: Path | None = None
-        self._rng_to_restore: dict[str, Any] | None = None
-        self._engine_to_restore: dict[str, Any] | None = None
-        self._requests = Requests()
+        # Where the run stands; the checkpointer saves it with the engine and these objects.
+        self.state = RunState(
+            self.sampler,
+            world_size=self.world.world_size,
+            batch_size=batch_size,
+            grad_accum_steps=grad_accum_steps,
+        )
         if resume is not None:
-            snapshot.resume(self, resume)
+            self._resume(resume)
 
-        # After loading: tandem.DDP broadcasts rank 0's parameters, which are the loaded ones.
-        # A sharded model already averages its gradients.
-        self.model: nn.Module = self.module
-        if self.world.world_size > 1 and not isinstance(model, FullyShardedDataParallel):
-            self.model = DistributedDataParallel(self.module, **(ddp_kwargs or {}))
-        # The buckets the run had learnt, before the first forward would start learning anew.
-        restore_engine(self.model, self._engine_to_restore)
+    @property
+    def model(self) -> nn.Module:
+        """The model as forward calls it: tandem.DDP, FSDP, or the plain module (one rank)."""
+        return self.engine.model
+
+    @property
+    def module(self) -> nn.Module:
+        """The user's module, unwrapped."""
+        return self.engine.module
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.engine.optimizer
+
+    @property
+    def epoch(self) -> int:
+        """Epochs completed (the index of the epoch in progress)."""
+        return self.state.epoch
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps taken."""
+        return self.state.step
+
+    @property
+    def history(self) -> list[dict[str, Any]]:
+        """One record per completed epoch (what ``metrics.jsonl`` holds)."""
+        return self.state.history
+
+    @property
+    def last_checkpoint(self) -> Path | None:
+        """The newest checkpoint this run wrote or resumed from."""
+        return self.state.last_checkpoint
+
+    def _stateful(self) -> dict[str, Any]:
+        return {"trainer": self.state, "scheduler": self.scheduler, "scaler": self.scaler}
+
+    def _resume(self, resume: str | Path) -> None:
+        path = self.checkpointer.resume(self.engine, self._stateful(), resume)
+        if path is None:
+            return
+        state = self.state
+        state.last_checkpoint = path
+        if self.world.is_main:
+            # Drop the lines of epochs after the checkpoint (a resume from an older one).
+            write_metrics(self.run_dir, state.history)
+            print(
+                f"resumed from {path}: epoch {state.epoch + 1}, batch {state.batch}, "
+                f"step {state.step}",
+                flush=True,
+            )
 
     def train(self, max_epochs: int | None = None) -> Summary:
         """Train until ``max_epochs`` (default: the constructor's), or a stop request.
@@ -245,99 +289,96 @@ class Trainer:
                 sys.exit(0)
         """
         max_epochs = self.max_epochs if max_epochs is None else max_epochs
+        run = self.state
         per_epoch = len(self.train_loader)
-        left = max(max_epochs - self.epoch, 0) * per_epoch - self.batch
+        left = max(max_epochs - run.epoch, 0) * per_epoch - run.batch
         self.progress = Progress(self.show_progress and self.world.is_main, left)
-        if self._rng_to_restore is not None:
-            # Restored here, not at load time: nothing between load and this point may draw.
-            restore_rng_state(self._rng_to_restore)
-            self._rng_to_restore = None
+        run.restore_rng()  # here, not at load time: nothing between load and this may draw
         self.optimizer.zero_grad()
-        self._clock = (time.monotonic(), self.elapsed)
+        run.start_session()
         stopped: Agreement | None = None
-        with self._requests.signals():
-            while self.epoch < max_epochs and stopped is None:
-                stopped = self._run_epoch(self.epoch, max_epochs)
+        with run.requests.signals():
+            while run.epoch < max_epochs and stopped is None:
+                stopped = self._run_epoch(run.epoch, max_epochs)
                 if stopped is None:
                     agreed = self._end_epoch()
-                    if agreed.save or self.epoch % self.save_every == 0 or self.epoch == max_epochs:
+                    if agreed.save or run.epoch % self.save_every == 0 or run.epoch == max_epochs:
                         self._save()
                     stopped = agreed if agreed.stop else None
-        self.elapsed = self.elapsed_seconds()
+        run.end_session()
         if stopped is not None and self.world.is_main:
             print(
-                f"stopped by {stopped.reason} at epoch {self.epoch + 1} step {self.step} "
-                f"(batch {self.batch} of {per_epoch}); checkpoint {self.last_checkpoint}",
+                f"stopped by {stopped.reason} at epoch {run.epoch + 1} step {run.step} "
+                f"(batch {run.batch} of {per_epoch}); checkpoint {run.last_checkpoint}",
                 flush=True,
             )
-        if self.world.is_main and self.history:
-            plot_metrics(self.run_dir, self.history)
+        if self.world.is_main and run.history:
+            try:
+                plot_metrics(self.run_dir, run.history)
+            except ImportError as e:  # the run is done: a missing extra must not fail it
+                warnings.warn(f"{self.run_dir / 'metrics.png'} not drawn: {e}", stacklevel=2)
         # Leave together, once rank 0's files are written, and with a barrier last: it carries
         # no Python tensors. A Gloo worker thread that drops the last reference to a Python
         # tensor while the interpreter exits (a script ending right after train()) aborts the
         # process ("terminate called without an active exception").
         wait_for_all()
-        last = self.history[-1] if self.history else {}
+        last = run.history[-1] if run.history else {}
         return Summary(
-            epochs=self.epoch,
-            steps=self.step,
+            epochs=run.epoch,
+            steps=run.step,
             train_loss=last.get("train_loss"),
             eval_loss=last.get("eval_loss"),
             eval_accuracy=last.get("eval_accuracy"),
             stopped_by=stopped.reason if stopped else None,
-            checkpoint=self.last_checkpoint,
-            history=list(self.history),
+            checkpoint=run.last_checkpoint,
+            history=list(run.history),
         )
 
     def _run_epoch(self, epoch: int, max_epochs: int) -> Agreement | None:
         """Run what is left of ``epoch``; return the agreement that stopped it, else None."""
+        run = self.state
         self.model.train()
         per_epoch = len(self.train_loader)
-        self.progress.start_epoch(epoch + 1, max_epochs, per_epoch, self.batch)
+        self.progress.start_epoch(epoch + 1, max_epochs, per_epoch, run.batch)
         batches = self.loaders.epoch(epoch)
         segment_start = time.monotonic()
         shown: list[float | None] = [None, None]
         try:
-            while self.batch < per_epoch:
-                group = min(self.grad_accum_steps, per_epoch - self.batch)
+            while run.batch < per_epoch:
+                group = min(self.grad_accum_steps, per_epoch - run.batch)
                 for i in range(group):
                     inputs, targets = next(batches)
                     self._run_batch(inputs, targets, sync=i == group - 1, weight=1 / group)
                 self._optimizer_step()
-                self.batch += group
+                run.batch += group
                 # The epoch's end agrees on its own (after its evaluation): not here as well.
-                if self.batch < per_epoch and self.step % self.check_every == 0:
-                    seconds = self.epoch_seconds + time.monotonic() - segment_start
-                    agreed = self._requests.agree(self.epoch_loss)
+                if run.batch < per_epoch and run.step % self.check_every == 0:
+                    seconds = run.epoch_seconds + time.monotonic() - segment_start
+                    agreed = run.requests.agree(run.epoch_loss)
                     total, count = agreed.sums
                     shown = [total / count, count / seconds if seconds > 0 else None]
                     if agreed.save:
-                        self.epoch_seconds, segment_start = seconds, time.monotonic()
+                        run.epoch_seconds, segment_start = seconds, time.monotonic()
                         self._save()
                     if agreed.stop:
                         return agreed
                 self.progress.advance(group, *shown)
             return None
         finally:
-            self.epoch_seconds += time.monotonic() - segment_start
+            run.epoch_seconds += time.monotonic() - segment_start
             self.progress.end_epoch()
 
     def _run_batch(self, inputs: Any, targets: Any, *, sync: bool, weight: float) -> None:
         """Forward and backward one micro-batch; its loss counts ``weight`` of the step's."""
         inputs, targets = inputs.to(self.world.device), targets.to(self.world.device)
-        with self._gradient_sync(sync):
+        # Micro-batches before a step's last sum their gradients locally: one all-reduce a step.
+        with nullcontext() if sync else self.engine.no_sync():
             loss = self.loss_fn(self.model(inputs), targets)
             # The step's gradient is the mean over its micro-batches, as one big batch's.
             scaled = loss * weight
             (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
-        self.epoch_loss[0] += loss.item() * len(targets)
-        self.epoch_loss[1] += len(targets)
-
-    def _gradient_sync(self, sync: bool) -> AbstractContextManager[None]:
-        # Micro-batches before a step's last sum their gradients locally: one all-reduce a step.
-        if sync or not isinstance(self.model, DistributedDataParallel):
-            return nullcontext()
-        return self.model.no_sync()
+        self.state.epoch_loss[0] += loss.item() * len(targets)
+        self.state.epoch_loss[1] += len(targets)
 
     def _optimizer_step(self) -> None:
         if self.scaler is not None:
@@ -348,26 +389,25 @@ class Trainer:
         self.optimizer.zero_grad()
         if self.scheduler is not None and self.scheduler_interval == "step":
             self.scheduler.step()
-        self.step += 1
+        self.state.step += 1
 
     def _end_epoch(self) -> Agreement:
         """Reduce the loss, evaluate, record and print the epoch; return the requests agreed."""
-        agreed = self._requests.agree(self.epoch_loss)  # the loss sums ride along
+        run = self.state
+        agreed = run.requests.agree(run.epoch_loss)  # the loss sums ride along
         total, count = agreed.sums
-        record: dict[str, Any] = {"epoch": self.epoch + 1, "step": self.step}
+        record: dict[str, Any] = {"epoch": run.epoch + 1, "step": run.step}
         record["train_loss"] = total / count
         if self.eval_loader is not None:
             record.update(self.evaluate())
-        record["samples_per_s"] = count / self.epoch_seconds if self.epoch_seconds > 0 else None
-        record["epoch_s"] = self.epoch_seconds
-        record["elapsed_s"] = self.elapsed_seconds()
-        self.epoch, self.batch = self.epoch + 1, 0
-        self.epoch_loss, self.epoch_seconds = [0.0, 0], 0.0
+        record["samples_per_s"] = count / run.epoch_seconds if run.epoch_seconds > 0 else None
+        record["epoch_s"] = run.epoch_seconds
+        record["elapsed_s"] = run.elapsed_seconds()
+        run.end_epoch(record)
         if self.scheduler is not None and self.scheduler_interval == "epoch":
             self.scheduler.step()
-        self.history.append(record)
         if self.world.is_main:
-            write_metrics(self.run_dir, self.history)
+            write_metrics(self.run_dir, run.history)
             print(epoch_line(record), flush=True)
         return agreed
 
@@ -384,16 +424,18 @@ class Trainer:
         """
         if self.eval_loader is None:
             raise ValueError("evaluate() needs eval_data; this Trainer was built without it")
-        batches = self.loaders.eval_batches(self.epoch)
+        batches = self.loaders.eval_batches(self.state.epoch)
         return evaluate(self.module, batches, self.loss_fn, self.world.device)
 
     def elapsed_seconds(self) -> float:
         """Seconds spent in ``train()`` by this run, over all its sessions (resumes)."""
-        start, before = self._clock
-        return before + time.monotonic() - start
+        return self.state.elapsed_seconds()
 
     def _save(self) -> None:
-        self.last_checkpoint = snapshot.save(self)
+        run = self.state
+        run.last_checkpoint = self.checkpointer.save(
+            self.engine, self._stateful(), epoch=run.epoch, step=run.step
+        )
 
     def request_checkpoint(self) -> None:
         """Ask for a checkpoint at the next step boundary, as SIGUSR1 does (any rank may ask).
@@ -403,7 +445,7 @@ class Trainer:
             if step_time > limit:
                 trainer.request_checkpoint()
         """
-        self._requests.checkpoint()
+        self.state.requests.checkpoint()
 
     def request_stop(self) -> None:
         """Ask every rank to save and stop at the next step boundary, as SIGTERM does.
@@ -413,4 +455,4 @@ class Trainer:
             if time.time() > deadline:
                 trainer.request_stop()
         """
-        self._requests.stop()
+        self.state.requests.stop()

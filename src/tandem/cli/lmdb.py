@@ -1,5 +1,7 @@
 """``tandem lmdb convert`` and ``tandem lmdb info``: LMDB files from the command line.
 
+The files themselves are :mod:`tandem.data.lmdb`'s; this module reads the command line.
+
 Example::
 
     tandem lmdb convert --dataset mypkg.data:train_set --out /data/train.lmdb --map-size 8G

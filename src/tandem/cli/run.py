@@ -1,8 +1,7 @@
-"""The ``tandem`` command: ``tandem run`` (a torchrun-compatible launcher) and ``tandem slurm``.
+"""``tandem run``: torchrun's flags in, a :class:`~tandem.launch.supervisor.Supervisor` out.
 
-Start-up is fast because nothing here imports torch: a one-node ``tandem run`` is the
-supervisor and its workers, nothing else. (Many nodes meet through torch's TCPStore, and only
-that path imports torch.)
+This module reads and checks the command line; starting, watching and stopping the workers is
+:mod:`tandem.launch.supervisor`'s, the rendezvous :mod:`tandem.launch.rendezvous`'s.
 
 Example::
 
@@ -20,7 +19,12 @@ import shutil
 import sys
 from pathlib import Path
 
-from tandem.launch.rendezvous import LaunchError, LocalCoordinator, StoreCoordinator
+from tandem.launch.rendezvous import (
+    Coordinator,
+    LaunchError,
+    LocalCoordinator,
+    StoreCoordinator,
+)
 from tandem.launch.supervisor import LaunchSpec, Supervisor
 
 DEFAULT_MULTINODE_PORT = 29500
@@ -34,7 +38,8 @@ def _flag(parser: argparse.ArgumentParser, name: str, **kwargs: object) -> None:
     parser.add_argument(*names, **kwargs)  # type: ignore[arg-type]
 
 
-def _add_run(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the ``run`` subcommand to ``tandem``'s subparsers; it runs :func:`run_command`."""
     p = subparsers.add_parser(
         "run",
         help="start one worker per device (torchrun's flags)",
@@ -167,34 +172,10 @@ def build_spec(args: argparse.Namespace) -> tuple[LaunchSpec, str, int | None]:
 def run_command(args: argparse.Namespace) -> int:
     """``tandem run``: returns the exit status (0, or the first failure's)."""
     spec, addr, port = build_spec(args)
+    coordinator: Coordinator
     if spec.nnodes == 1:
         coordinator = LocalCoordinator(addr, port)
     else:
         port = port or DEFAULT_MULTINODE_PORT
         coordinator = StoreCoordinator(spec.nnodes, spec.node_rank, addr, port, args.rdzv_timeout)
     return Supervisor(spec, coordinator).run()
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``tandem`` command."""
-    parser = argparse.ArgumentParser(prog="tandem", description=__doc__.split("\n")[0])
-    subparsers = parser.add_subparsers(dest="command", required=True)
-    _add_run(subparsers)
-    from tandem.data import lmdb as data_lmdb
-    from tandem.launch import slurm
-
-    slurm.register(subparsers)
-    data_lmdb.register(subparsers)
-    args = parser.parse_args(argv)
-    try:
-        return args.func(args)
-    except LaunchError as exc:
-        print(f"tandem {args.command}: error: {exc}", file=sys.stderr)
-        return 2
-    except ValueError as exc:
-        print(f"tandem {args.command}: error: {exc}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

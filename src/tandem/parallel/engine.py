@@ -1,0 +1,264 @@
+"""The one contract between a training loop and the engines: sync, clip, save, load, export.
+
+A training loop needs five things from whatever parallelises the model, and nothing else::
+
+    engine.model                 what forward calls (tandem.DDP, FSDP, or the plain module)
+    engine.no_sync()             micro-steps of gradient accumulation, without communication
+    engine.clip_grad_norm_(c)    the norm of the gradient over all ranks and shards, clipped
+    engine.state_dict(kind)      model + optimizer (+ the engine's own state), full or sharded
+    engine.plain_weights()       the user's module's weights, whole, without wrapper prefixes
+
+Two implementations cover every set-up, and :func:`make_engine` is the one place that looks at
+what it was given to choose:
+
+==========================================  ===================  ==============================
+set-up                                      engine               ``"sharded"`` checkpoints
+==========================================  ===================  ==============================
+plain module (one process)                  ReplicatedEngine     refused: nothing is sharded
+module wrapped in tandem.DDP                ReplicatedEngine     refused: nothing is sharded
+tandem.DDP + tandem.ShardedOptimizer        ReplicatedEngine     each rank's optimizer shard
+tandem.FullyShardedDataParallel (stage 2/3) ShardedEngine        each rank's shards as they are
+==========================================  ===================  ==============================
+
+The ``"full"`` kind is a plain module's and a plain optimizer's ``state_dict()`` (gathered where
+sharded): it loads into the unwrapped model, and into a sharded one at any world size. The
+``"sharded"`` kind never gathers: no rank holds more than its own shards. Every method that
+gathers is a collective, called on every rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from tandem._dist import group_rank, group_size
+from tandem.parallel.ddp import DistributedDataParallel
+from tandem.parallel.fsdp import FullyShardedDataParallel
+from tandem.parallel.zero import ShardedOptimizer
+
+Kind = Literal["full", "sharded"]
+KINDS: tuple[Kind, ...] = ("full", "sharded")
+
+
+class Engine(ABC):
+    """A model, its optimizer, and how they synchronise, clip and save (see the module doc).
+
+    ``state_dict(kind)`` returns ``{"model", "optimizer", "engine", "shard"}``: the first three
+    belong in the run's main checkpoint (meaningful on rank 0), ``"shard"`` is this rank's own
+    file (None in the full kind). ``load_state_dict`` takes the same dict, with this rank's
+    ``"shard"``, on every rank.
+
+    Example::
+
+        engine = make_engine(net, torch.optim.AdamW(net.parameters()))
+        for i, (x, y) in enumerate(batches):
+            with engine.no_sync() if i % 4 != 3 else contextlib.nullcontext():
+                loss_fn(engine.model(x), y).backward()
+            if i % 4 == 3:
+                engine.clip_grad_norm_(1.0)
+                engine.optimizer.step()
+                engine.optimizer.zero_grad()
+        state = engine.state_dict("full")
+    """
+
+    #: The set-up holds shards, so the ``"sharded"`` kind has something to write.
+    has_shards: bool = False
+
+    def __init__(self, model: nn.Module, module: nn.Module, optimizer: torch.optim.Optimizer):
+        self.model = model  # what forward calls
+        self.module = module  # the user's module, unwrapped
+        self.optimizer = optimizer
+
+    def check(self, kind: str) -> None:
+        """Raise ValueError unless this set-up can write checkpoints of ``kind``."""
+        if kind not in KINDS:
+            raise ValueError(f"checkpoint_format must be 'full' or 'sharded', not {kind!r}")
+        if kind == "sharded" and not self.has_shards:
+            raise ValueError(
+                "checkpoint_format='sharded' needs a tandem.FullyShardedDataParallel model or a "
+                "tandem.ShardedOptimizer: this model and optimizer are replicated on every rank, "
+                "so rank 0's full checkpoint already holds everything"
+            )
+
+    @abstractmethod
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        """Backward inside this block accumulates gradients without communicating."""
+
+    @abstractmethod
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Scale every gradient so that their global norm is at most ``max_norm``; that norm."""
+
+    @abstractmethod
+    def state_dict(self, kind: Kind = "full") -> dict[str, Any]:
+        """``{"model", "optimizer", "engine", "shard"}`` (a collective; see the class doc)."""
+
+    @abstractmethod
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load what :meth:`state_dict` gave, before the first forward (every rank)."""
+
+    @abstractmethod
+    def plain_weights(self, to: int = 0) -> dict[str, torch.Tensor] | None:
+        """The user's module's ``state_dict()``, whole, on rank ``to``; None on the others.
+
+        A collective. The keys are the plain module's (no ``module.`` prefix): the dict loads
+        into the unwrapped model.
+        """
+
+
+class ReplicatedEngine(Engine):
+    """Every rank holds the whole model: one process, or tandem.DDP (with a ShardedOptimizer,
+    whose state is the one thing sharded).
+
+    Gradients are the same on every rank once backward has averaged them, so the local norm is
+    the global one and clipping needs no communication.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        reducer: Any = None,
+    ) -> None:
+        super().__init__(model, module, optimizer)
+        self.has_shards = isinstance(optimizer, ShardedOptimizer)
+        # tandem.DDP's bucket order (its reducer), when the model is wrapped in one.
+        self._reducer = reducer
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        no_sync = getattr(self.model, "no_sync", None)
+        return no_sync() if no_sync is not None else contextlib.nullcontext()
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        return torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm, norm_type)
+
+    def state_dict(self, kind: Kind = "full") -> dict[str, Any]:
+        self.check(kind)
+        engine = self._reducer.state_dict() if self._reducer is not None else None
+        model = self.module.state_dict()
+        if not self.has_shards:
+            return {"model": model, "optimizer": self.optimizer.state_dict(), "engine": engine,
+                    "shard": None}  # fmt: skip
+        optimizer: Any = self.optimizer
+        if kind == "sharded":
+            shard = {"optimizer": optimizer.state_dict()}
+            return {"model": model, "optimizer": None, "engine": engine, "shard": shard}
+        return {"model": model, "optimizer": optimizer.full_state_dict(), "engine": engine,
+                "shard": None}  # fmt: skip
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.module.load_state_dict(state["model"])
+        shard = state.get("shard") or {}
+        optimizer: Any = self.optimizer
+        if "optimizer" in shard:
+            optimizer.load_state_dict(shard["optimizer"])
+        elif self.has_shards:
+            optimizer.load_full_state_dict(state["optimizer"])
+        else:
+            optimizer.load_state_dict(state["optimizer"])
+        # A checkpoint written before engines saved theirs, or by another engine, has none:
+        # the engine then learns its buckets again (bitwise resumes need the saved ones at 3+
+        # ranks, where Gloo's sums round differently when bucket boundaries move).
+        if self._reducer is not None and state.get("engine") is not None:
+            self._reducer.load_state_dict(state["engine"])
+
+    def plain_weights(self, to: int = 0) -> dict[str, torch.Tensor] | None:
+        if group_rank() != to:
+            return None
+        return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+
+
+class ShardedEngine(Engine):
+    """tandem.FullyShardedDataParallel: each rank holds a shard of parameters, gradients and
+    optimizer state.
+
+    Every micro-batch reduce-scatters its gradients into the shards (they add up there), so
+    accumulation has no communication to skip; the gradient norm adds the ranks' shards.
+    """
+
+    has_shards = True
+
+    def __init__(self, model: FullyShardedDataParallel, optimizer: torch.optim.Optimizer):
+        super().__init__(model, model.module, optimizer)
+        self.fsdp = model
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        return self.fsdp.clip_grad_norm_(max_norm, norm_type)
+
+    def state_dict(self, kind: Kind = "full") -> dict[str, Any]:
+        self.check(kind)
+        if kind == "sharded":
+            shard = {
+                "model": self.fsdp.sharded_state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+            }
+            return {"model": None, "optimizer": None, "engine": None, "shard": shard}
+        return {
+            "model": self.fsdp.full_state_dict(),
+            "optimizer": self.fsdp.full_optim_state_dict(self.optimizer),
+            "engine": None,
+            "shard": None,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        shard = state.get("shard") or {}
+        if "model" in shard:
+            self.fsdp.load_sharded_state_dict(shard["model"])
+            self.optimizer.load_state_dict(shard["optimizer"])
+        else:
+            self.fsdp.load_full_state_dict(state["model"])
+            self.fsdp.load_full_optim_state_dict(self.optimizer, state["optimizer"])
+
+    def plain_weights(self, to: int = 0) -> dict[str, torch.Tensor] | None:
+        return self.fsdp.full_state_dict(to)
+
+
+def make_engine(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    ddp_kwargs: dict[str, Any] | None = None,
+    checkpoint_format: str = "full",
+    scaler: Any = None,
+) -> Engine:
+    """The engine for ``model`` and ``optimizer``; a plain module is wrapped in tandem.DDP when
+    the job has more than one process (it stays plain with one).
+
+    A model already wrapped (tandem.DDP or tandem.FullyShardedDataParallel) is used as it is.
+    Checked first, on every rank alike: that ``checkpoint_format`` fits the set-up, and that a
+    ``scaler`` is not combined with FSDP (a GradScaler sees only this rank's gradient shards, so
+    ranks could disagree on skipping a step).
+
+    Example::
+
+        tandem.init()
+        engine = make_engine(net.to(tandem.world().device), opt)   # tandem.DDP when world > 1
+        engine.model(x)
+    """
+    if isinstance(model, FullyShardedDataParallel):
+        if scaler is not None:
+            raise ValueError(
+                "scaler with a FullyShardedDataParallel model: a GradScaler sees only this "
+                "rank's gradient shards, so ranks could disagree on skipping a step; train "
+                "in bfloat16 autocast without a scaler, or with tandem.DDP"
+            )
+        sharded: Engine = ShardedEngine(model, optimizer)
+        sharded.check(checkpoint_format)
+        return sharded
+    wrapped: nn.Module
+    if isinstance(model, DistributedDataParallel):
+        wrapped, module = model, model.module
+    else:
+        wrapped = module = model
+    ReplicatedEngine(module, module, optimizer).check(checkpoint_format)
+    if wrapped is module and group_size() > 1:
+        wrapped = DistributedDataParallel(module, **(ddp_kwargs or {}))
+    reducer = wrapped.reducer if isinstance(wrapped, DistributedDataParallel) else None
+    return ReplicatedEngine(wrapped, module, optimizer, reducer)

@@ -1,0 +1,18 @@
+"""Collection for the test suite, which also runs the library's doctests.
+
+The test command runs with ``--doctest-modules`` (pyproject.toml), and pytest then imports
+every ``.py`` file it collects. Under ``tests/`` only the test modules (and packages) are
+collected: the other files are programs the tests start (``launch/workers.py`` reads its mode
+from ``sys.argv`` at import) or helpers the tests import themselves.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def pytest_ignore_collect(collection_path: Path) -> bool | None:
+    name = collection_path.name
+    if collection_path.suffix != ".py" or name in ("__init__.py", "conftest.py"):
+        return None
+    return None if name.startswith("test_") else True

@@ -1,0 +1,59 @@
+"""Every benchmark still runs end to end: the tiniest run of each, as a user starts it.
+
+Proves: each script in ``benchmarks/`` with a ``main()`` runs from its command line (its own
+folder first on ``sys.path``, its worker processes started as in a real measurement) with one
+pair or round of one or two steps on the smallest model, exits 0, prints its table, and writes
+its JSON where ``--json`` says, with the run's ``meta``. The numbers themselves are not checked:
+a run this short measures nothing, and a benchmark is not a test. Each runs in a process of its
+own because benchmarks set process-wide state (``torch.set_num_threads(1)``).
+
+``launch_probe.py`` (started by ``launch.py``) and ``sharded_contenders.py`` (imported by
+``sharded.py``) run as parts of those two.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+TINY = {
+    "ddp_throughput": [
+        "--world", "2", "--pairs", "1", "--steps", "1", "--warmup", "1",
+        "--models", "deep_200x16",
+    ],
+    "dp": ["--pairs", "1", "--steps", "1", "--warmup", "1", "--models", "mlp", "--lm-batch", "4"],
+    "io": [
+        "--world", "2", "--group-sizes", "2", "--storage", "parallel", "--pairs", "1",
+        "--samples", "8", "--batch", "4", "--floats", "4", "--read-ms", "0",
+    ],
+    "launch": ["--pairs", "1", "--nproc", "2", "--no-floor", "--timeout", "60"],
+    "sampler": ["--sizes", "1000", "--pairs", "1", "--iterate", "10"],
+    "sharded": [
+        "--world-sizes", "2", "--rounds", "1", "--steps", "1", "--warmup", "1",
+        "--width", "8", "--blocks", "1", "--batch", "2", "--timeout", "60",
+        "--contenders", "tandem.DDP", "stage 3",
+    ],
+}  # fmt: skip
+
+
+def test_every_benchmark_has_a_tiny_run():
+    scripts = {p.stem for p in BENCHMARKS.glob("*.py") if "def main(" in p.read_text()}
+    assert scripts == set(TINY)
+
+
+@pytest.mark.parametrize("name", sorted(TINY))
+def test_tiny_run(name, tmp_path):
+    out = tmp_path / f"{name}.json"
+    cmd = [sys.executable, str(BENCHMARKS / f"{name}.py"), *TINY[name], "--json", str(out)]
+    # About 5-15 s each on 2 idle cores (most of it the workers' `import torch`); the limit
+    # leaves room for a machine shared with other jobs.
+    run = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=180)
+    assert run.returncode == 0, f"{' '.join(cmd)}\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
+    assert f"JSON: {out}" in run.stdout
+    assert "meta" in json.loads(out.read_text())

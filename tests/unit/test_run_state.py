@@ -1,0 +1,88 @@
+"""The run state and the checkpointer, in one process.
+
+- A checkpoint holds the engine's model and optimizer at the top (``state["model"]``,
+  ``state["optimizer"]``) and the run state under ``state["trainer"]``, with every rank's RNG
+  states and loss sums under ``"ranks"``.
+- A checkpoint of the earlier layout (RNG, sampler and history at the top level) resumes to the
+  same end, bit for bit, as the same checkpoint in today's layout.
+- The run state refuses, naming both values, a resume that cannot continue the run.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from tandem.data.sampler import DistributedSampler
+from tandem.train.checkpoint import load_checkpoint, save_checkpoint
+from tandem.train.run_state import RunState
+from tandem.train.trainer import Trainer
+
+
+def _trainer(run_dir, resume=None, max_epochs=3) -> Trainer:
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    data = TensorDataset(torch.randn(40, 5, generator=g), torch.randint(0, 3, (40,), generator=g))
+    net = nn.Sequential(nn.Linear(5, 8), nn.Dropout(0.2), nn.Linear(8, 3))
+    return Trainer(
+        net, torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9), data,
+        loss_fn=F.cross_entropy, max_epochs=max_epochs, save_every=1, batch_size=4,
+        run_dir=run_dir, resume=resume, progress=False,
+    )  # fmt: skip
+
+
+def _old_layout(state: dict) -> dict:
+    """The layout tandem wrote before the run state had one entry."""
+    trainer = dict(state["trainer"])
+    ranks = trainer.pop("ranks")
+    old = {k: v for k, v in state.items() if k != "trainer"}
+    old["sampler"], old["history"] = trainer.pop("sampler"), trainer.pop("history")
+    old["rng"] = [r["rng"] for r in ranks]
+    trainer["epoch_loss"] = [r["epoch_loss"] for r in ranks]
+    old["trainer"] = trainer
+    return old
+
+
+def test_checkpoint_layout_and_the_earlier_one_resume_alike(tmp_path):
+    whole = _trainer(tmp_path / "whole")
+    whole.train()
+    final = [p.detach().clone() for p in whole.module.parameters()]
+
+    first = _trainer(tmp_path / "new", max_epochs=1)
+    first.train()
+    payload = load_checkpoint(tmp_path / "new")
+    state = payload["state"]
+    assert {"model", "optimizer", "engine", "shards", "trainer", "scheduler", "scaler"} <= set(
+        state
+    ), sorted(state)
+    assert len(state["trainer"]["ranks"]) == 1 and "rng" in state["trainer"]["ranks"][0]
+    assert state["trainer"]["epoch"] == 1 and len(state["trainer"]["history"]) == 1
+
+    save_checkpoint(_old_layout(state), tmp_path / "old", epoch=1, step=payload["step"])
+    for layout in ("new", "old"):
+        resumed = _trainer(tmp_path / layout, resume="latest")
+        resumed.train()
+        for a, b in zip(resumed.module.parameters(), final, strict=True):
+            assert torch.equal(a, b), layout
+        assert _untimed(resumed.history) == _untimed(whole.history), layout
+
+
+def _untimed(history: list[dict]) -> list[dict]:
+    """The records without their clock readings (seconds, samples per second)."""
+    return [{k: v for k, v in r.items() if not k.endswith("_s")} for r in history]
+
+
+def test_run_state_refuses_another_world_size_and_a_mid_epoch_batch_change():
+    sampler = DistributedSampler(range(40), num_replicas=2, rank=0)
+    saved = RunState(sampler, world_size=2, batch_size=4, grad_accum_steps=1)
+    saved.batch = 3
+    state = saved.state_dict()
+    other = RunState(sampler, world_size=3, batch_size=4, grad_accum_steps=1)
+    with pytest.raises(ValueError, match=r"run of 2 process\(es\); this run has 3"):
+        other.load_state_dict(state)
+    smaller = RunState(sampler, world_size=2, batch_size=2, grad_accum_steps=1)
+    with pytest.raises(ValueError, match="mid-epoch with batch_size=4; this run has batch_size=2"):
+        smaller.load_state_dict(state)
