@@ -1,7 +1,8 @@
 """The engine contract (tandem.parallel.engine), engine by engine, against plain torch.
 
 - ``make_engine`` wraps a plain module in tandem.DDP only when there is more than one rank, and
-  takes an FSDP model as it is; the wrong checkpoint kind or a scaler with FSDP is refused.
+  takes an FSDP or DataParallel model as it is; the wrong checkpoint kind, a scaler with FSDP
+  and DataParallel in a job of several processes are refused.
 - ``clip_grad_norm_`` returns the norm of the whole averaged gradient and clips it exactly as
   ``torch.nn.utils.clip_grad_norm_`` does on that gradient held in one process (bitwise for the
   replicated engines; for FSDP the ranks' partial sums are added, so to rounding).
@@ -95,6 +96,7 @@ def _same_weights(got: dict | None, plain: dict) -> bool:
 
 @pytest.mark.parametrize("kind", ["ddp", "fsdp3"])
 def test_clip_grad_norm_is_the_global_norm(kind):
+    """Also: the engine make_engine picks, and plain_weights (rank 0's, no prefix)."""
     for result in run_ranks(_clip, 2, args=(kind,), timeout=60):
         norm, expected = result["norm"]
         assert result["weights"], result
@@ -185,6 +187,21 @@ def test_one_process_stays_plain_and_bad_set_ups_are_refused():
         make_engine(net, torch.optim.SGD(net.parameters(), lr=0.1), checkpoint_format="sharded")
     with pytest.raises(ValueError, match="must be 'full' or 'sharded', not 'zip'"):
         make_engine(net, torch.optim.SGD(net.parameters(), lr=0.1), checkpoint_format="zip")
+    dp = tandem.DataParallel(_net())
+    engine = make_engine(dp, torch.optim.SGD(dp.parameters(), lr=0.1))
+    assert engine.model is dp and engine.module is dp.module
+    assert list(engine.plain_weights()) == list(_net().state_dict())  # no "module." prefix
     fsdp = tandem.FullyShardedDataParallel(_net(), stage=3)
     with pytest.raises(ValueError, match="GradScaler sees only"):
         make_engine(fsdp, torch.optim.SGD(fsdp.parameters(), lr=0.1), scaler=object())
+
+
+def _data_parallel_in_a_job() -> str:
+    with pytest.raises(ValueError) as info:
+        make_engine(tandem.DataParallel(_net()), torch.optim.SGD(_net().parameters(), lr=0.1))
+    return str(info.value)
+
+
+def test_data_parallel_in_a_multi_process_job_is_refused():
+    for message in run_ranks(_data_parallel_in_a_job, 2, timeout=60):
+        assert "DataParallel model in a job of 2 processes" in message, message

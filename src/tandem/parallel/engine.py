@@ -15,6 +15,7 @@ what it was given to choose:
 set-up                                      engine               ``"sharded"`` checkpoints
 ==========================================  ===================  ==============================
 plain module (one process)                  ReplicatedEngine     refused: nothing is sharded
+tandem.DataParallel (one process, devices)  ReplicatedEngine     refused: nothing is sharded
 module wrapped in tandem.DDP                ReplicatedEngine     refused: nothing is sharded
 tandem.DDP + tandem.ShardedOptimizer        ReplicatedEngine     each rank's optimizer shard
 tandem.FullyShardedDataParallel (stage 2/3) ShardedEngine        each rank's shards as they are
@@ -37,6 +38,7 @@ from torch import nn
 
 from tandem._dist import group_rank, group_size
 from tandem.parallel.ddp import DistributedDataParallel
+from tandem.parallel.dp import DataParallel
 from tandem.parallel.fsdp import FullyShardedDataParallel
 from tandem.parallel.zero import ShardedOptimizer
 
@@ -253,6 +255,18 @@ def make_engine(
         sharded.check(checkpoint_format)
         return sharded
     wrapped: nn.Module
+    if isinstance(model, (DataParallel, nn.DataParallel)):
+        # One process driving several devices: its replicas are made anew every forward, so
+        # the wrapped module is the whole model, and there are no other ranks to sync with.
+        if group_size() > 1:
+            raise ValueError(
+                f"a DataParallel model in a job of {group_size()} processes: DataParallel is "
+                "one process driving several devices; with one process per device pass the "
+                "plain module (it is wrapped in tandem.DDP)"
+            )
+        parallel = ReplicatedEngine(model, model.module, optimizer)
+        parallel.check(checkpoint_format)
+        return parallel
     if isinstance(model, DistributedDataParallel):
         wrapped, module = model, model.module
     else:
