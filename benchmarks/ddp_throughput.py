@@ -10,6 +10,10 @@ Run::
 
     python benchmarks/ddp_throughput.py --pairs 7 --steps 30
     python benchmarks/ddp_throughput.py --device cuda --world 1   # on a GPU machine (NCCL)
+    python benchmarks/ddp_throughput.py --records-overhead --models deep_200x16 mlp
+
+``--records-overhead`` adds a third engine, tandem.DDP with the collective records
+(``tandem.doctor.records``) switched off during its rounds, and prints recorded/unrecorded.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import tandem
+from tandem.doctor import records
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -87,11 +92,14 @@ MODELS = {
     "deep_800x256": (deep(800, 256), (256,), 8),
 }
 ENGINES = ("tandem", "torch")
+# With --records-overhead: tandem.DDP again, with the collective records switched off for its
+# rounds (tandem.doctor.records), to measure what recording costs.
+UNRECORDED = "tandem_unrecorded"
 
 
 def _wrap(engine: str, model: nn.Module, device: torch.device) -> nn.Module:
     ids = [device.index] if device.type == "cuda" else None
-    if engine == "tandem":
+    if engine in ("tandem", UNRECORDED):
         return tandem.DDP(model, device_ids=ids)
     return TorchDDP(model, device_ids=ids)
 
@@ -134,31 +142,39 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
             for _ in range(args.steps)
         ]
         engines = {}
-        for engine in ENGINES:
+        engine_names = (*ENGINES, UNRECORDED) if args.records_overhead else ENGINES
+        for engine in engine_names:
             torch.manual_seed(0)
             model = _wrap(engine, factory().to(device), device)
             opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
             _round(model, opt, batches[: args.warmup], device)  # warm-up and bucket rebuild
             engines[engine] = (model, opt)
-        times: dict[str, list[float]] = {e: [] for e in ENGINES}
+        times: dict[str, list[float]] = {e: [] for e in engine_names}
         for pair in range(args.pairs):
             # A B, then B A: neither engine always runs right after the other's allocations
-            order = ENGINES if pair % 2 == 0 else ENGINES[::-1]
+            order = engine_names if pair % 2 == 0 else engine_names[::-1]
             for engine in order:
                 model, opt = engines[engine]
+                records.enabled = engine != UNRECORDED
                 times[engine].append(_round(model, opt, batches, device))
+                records.enabled = True
         samples = world * batch * args.steps
-        rate = {e: [samples / t for t in times[e]] for e in ENGINES}
+        rate = {e: [samples / t for t in times[e]] for e in engine_names}
         ratios = [a / b for a, b in zip(rate["tandem"], rate["torch"], strict=True)]
         report[name] = {
             "params": sum(p.numel() for p in factory().parameters()),
             "tensors": len(list(factory().parameters())),
             "batch_per_rank": batch,
-            "samples_per_s": {e: statistics.median(rate[e]) for e in ENGINES},
+            "samples_per_s": {e: statistics.median(rate[e]) for e in engine_names},
             "rounds_samples_per_s": rate,
             "ratio_tandem_over_torch": statistics.median(ratios),
             "ratios": ratios,
         }
+        if args.records_overhead:
+            pairs = zip(rate["tandem"], rate[UNRECORDED], strict=True)
+            report[name]["ratio_recorded_over_unrecorded"] = statistics.median(
+                [a / b for a, b in pairs]
+            )
     if rank == 0:
         Path(out).write_text(json.dumps(report))
     dist.barrier()  # Gloo may abort a rank whose peer tears down mid-operation
@@ -175,6 +191,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--json", type=Path, default=RESULTS / "ddp_throughput.json")
+    parser.add_argument(
+        "--records-overhead",
+        action="store_true",
+        help="also run tandem.DDP with the collective records off, and print recording's cost",
+    )
     args = parser.parse_args(argv)
 
     with socket.socket() as s:
@@ -211,6 +232,12 @@ def main(argv: list[str] | None = None) -> dict:
             f"| {name} | {r['tensors']} | {r['params'] / 1e6:.2f} M | {s['tandem']:.0f} | "
             f"{s['torch']:.0f} | {r['ratio_tandem_over_torch']:.3f} |"
         )
+    if args.records_overhead:
+        print("\nCollective records (tandem.doctor.records): tandem.DDP recorded / unrecorded")
+        print("| model | tensors | recorded/unrecorded |")
+        print("|---|---:|---:|")
+        for name, r in report.items():
+            print(f"| {name} | {r['tensors']} | {r['ratio_recorded_over_unrecorded']:.3f} |")
     print(f"JSON: {args.json}")
     return result
 

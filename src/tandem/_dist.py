@@ -111,8 +111,14 @@ def require_process_group(wrapper: str) -> None:
     Example::
 
         require_process_group("tandem.DDP")   # first thing in a wrapper's constructor
+
+    With a group, the collectives are recorded from here on (``tandem.doctor.records``), also
+    in a script that made its group without ``tandem.init()``.
     """
     if initialized():
+        from tandem.doctor import records  # imports torch.distributed: not at import time
+
+        records.install()
         return
     declared = os.environ.get("WORLD_SIZE", "1")
     try:

@@ -118,12 +118,15 @@ def init(
     import torch
     import torch.distributed as dist
 
+    from tandem.doctor import records
+
     global _current, _owns_group
     if _owns_group and _group_exists() and _current is not None:
         return _current
     if _group_exists():
         # The user made the group (mp.spawn, their own init_process_group): use it, keep off it.
         _current, _owns_group = _from_group(placement_from_env(os.environ)), False
+        records.install()  # from here on every collective is recorded
         return _current
 
     # `tandem run --backend` hands its choice down through the environment.
@@ -158,6 +161,9 @@ def init(
             timeout=delta,  # None: the backend's own default
         )
     _current, _owns_group = _from_group(placement), True
+    # A new group numbers its collectives from 1 on every rank: the records start over with it.
+    records.clear()
+    records.install()
     return _current
 
 

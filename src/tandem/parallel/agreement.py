@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from tandem._dist import gather_objects, group_size
+from tandem.doctor import records
 
 
 class UnusedParametersError(RuntimeError):
@@ -64,7 +65,8 @@ class Agreement:
         values = [missing] + ([int(u) for u in used] if used is not None else [])
         self.counts = torch.tensor(values, dtype=torch.int32, device=self.device)
         if group_size(self.group) > 1:
-            self.work = dist.all_reduce(self.counts, group=self.group, async_op=True)
+            with records.tagged("DDP end-of-backward check"):
+                self.work = dist.all_reduce(self.counts, group=self.group, async_op=True)
 
     def read(self, missing: list[int], want_used: bool) -> list[bool] | None:
         """Raise on every rank if any rank missed gradients; the agreed used map if wanted."""

@@ -51,6 +51,7 @@ from torch.utils._pytree import tree_flatten
 
 from tandem._dist import group_rank, group_size, require_process_group
 from tandem._profile import OFF, recording
+from tandem.doctor import records
 from tandem.parallel import fsdp_state
 from tandem.parallel.flat import FlatUnit
 from tandem.parallel.fsdp_layout import FsdpLayout, PlainNames
@@ -313,7 +314,8 @@ class FullyShardedDataParallel(nn.Module):
     def _reduce(self, unit: FlatUnit, use: _Use, leaf: torch.Tensor) -> None:
         grad, leaf.grad = leaf.grad, None
         assert grad is not None  # this hook runs after the gradient was accumulated
-        with self._span("reduce_scatter", unit):
+        tag = records.tagged(f"FSDP reduce-scatter unit {unit.index}")
+        with self._span("reduce_scatter", unit), tag:
             out, work, after = unit.reduce_scatter(grad)
         self._pending.append((unit, out, work, after, grad))
         self._fold(REDUCES_IN_FLIGHT)
@@ -365,7 +367,7 @@ class FullyShardedDataParallel(nn.Module):
 
     def _gather(self, unit: FlatUnit) -> None:
         """Whole parameters in ``unit`` now: waits for its prefetch, or all-gathers."""
-        with self._span("all_gather", unit):
+        with self._span("all_gather", unit), records.tagged(f"FSDP all-gather unit {unit.index}"):
             unit.gather()
 
     def _prefetch(self, unit: FlatUnit, why: str) -> None:
@@ -373,7 +375,8 @@ class FullyShardedDataParallel(nn.Module):
         if unit.is_current:  # gathered, or its all-gather already in flight
             return
         self._debug("prefetched for %s", unit, why)
-        with self._span("all_gather_start", unit):
+        tag = records.tagged(f"FSDP all-gather unit {unit.index} (prefetch)")
+        with self._span("all_gather_start", unit), tag:
             unit.gather(async_op=True)
 
     def _free(self, unit: FlatUnit, why: str) -> None:

@@ -43,6 +43,7 @@ from typing import Any
 import torch.distributed as dist
 
 from tandem._dist import global_ranks, group_size, initialized
+from tandem.doctor import records
 
 log = logging.getLogger("tandem.lockstep")
 
@@ -255,21 +256,14 @@ def _with(message: str) -> Any:
 
 def _main_thread_position(ident: int | None) -> tuple[str | None, str]:
     """(the torch.distributed call the main thread is in, or None; its innermost user line)."""
-    frame = sys._current_frames().get(ident) if ident is not None else None
+    top = sys._current_frames().get(ident) if ident is not None else None
     inside = None
-    where = "?"
+    frame = top
     while frame is not None:
-        code = frame.f_code
-        if code.co_filename.endswith("distributed_c10d.py"):
-            inside = f"torch.distributed.{code.co_name}"
-        elif (
-            where == "?"
-            and "/torch/" not in code.co_filename
-            and "lockstep" not in code.co_filename
-        ):
-            where = f"{code.co_filename.rsplit('/', 1)[-1]}:{frame.f_lineno} in {code.co_name}"
+        if frame.f_code.co_filename.endswith("distributed_c10d.py"):
+            inside = f"torch.distributed.{frame.f_code.co_name}"
         frame = frame.f_back
-    return inside, where
+    return inside, records.user_line(top)
 
 
 # The DDP models alive in this process, by the order they were built (the same on every rank).

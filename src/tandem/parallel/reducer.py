@@ -46,6 +46,7 @@ from torch.autograd.function import BackwardCFunction
 from tandem import _tree
 from tandem._dist import global_rank, group_size
 from tandem._profile import span
+from tandem.doctor import records
 from tandem.parallel import lockstep
 from tandem.parallel.agreement import Agreement
 from tandem.parallel.buckets import MIB, Bucket, assign_buckets, build_buckets
@@ -420,7 +421,8 @@ class Reducer:
             torch._foreach_mul_(scaled, scale)
 
     def _launch(self, bucket: Bucket) -> torch.futures.Future | dist.Work:
-        with span("tandem.ddp.bucket_reduce", f"bucket {bucket.index}"):
+        what = f"DDP bucket {bucket.index}, step {self.progress.step}"
+        with span("tandem.ddp.bucket_reduce", what), records.tagged(what):
             return self._reduce(bucket)
 
     def _reduce(self, bucket: Bucket) -> torch.futures.Future | dist.Work:

@@ -28,6 +28,7 @@ from torch.optim import Optimizer
 
 from tandem._dist import global_rank, group_rank, group_size, require_process_group
 from tandem._profile import span
+from tandem.doctor import records
 from tandem.parallel.replicas import verify_same_parameters
 from tandem.parallel.sharding import assign_owners
 
@@ -134,7 +135,7 @@ class ShardedOptimizer(Optimizer):
         with span("tandem.zero.step"):
             self.optimizer.step()
         # Phase 3: every parameter from its owner.
-        with span("tandem.zero.broadcast"):
+        with span("tandem.zero.broadcast"), records.tagged("ZeRO broadcast from owners"):
             self._broadcast_from_owners()
         return loss
 

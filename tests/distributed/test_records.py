@@ -1,0 +1,85 @@
+"""Every collective is recorded (tandem.doctor.records), on every rank alike.
+
+- After tandem.DDP is built (or ``tandem.init()``), each collective leaves a record: tandem.DDP's
+  bucket all-reduces tagged ``DDP bucket k, step s``, its end-of-backward check, and the user's
+  own ``dist.all_reduce`` / ``dist.barrier`` with the line of this file that called them.
+- Records are numbered per group from 1; every rank's sequence of (group, number, op, shapes,
+  dtypes) is the same; a subgroup counts on its own.
+- Blocking calls have ended when they return; an asynchronous one once its work is done.
+- The ring keeps the newest ``CAPACITY`` records; ``uninstall`` gives torch its functions back.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import tandem
+from tandem.doctor import records
+from tests.harness import run_ranks
+
+
+def _train_and_talk() -> dict:
+    torch.manual_seed(0)
+    model = tandem.DDP(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)))
+    x, y = torch.randn(6, 4), torch.randint(0, 2, (6,))
+    for _ in range(2):
+        F.cross_entropy(model(x), y).backward()
+    line = inspect.currentframe().f_lineno + 1  # type: ignore[union-attr]
+    dist.all_reduce(torch.ones(3, dtype=torch.float64))
+    work = dist.all_reduce(torch.ones(2), async_op=True)
+    work.wait()
+    pair = dist.new_group([0, 1])
+    dist.all_reduce(torch.ones(1), group=pair)
+    dist.barrier()
+    return {
+        "records": [r.as_dict() for r in records.recent()],
+        "line": line,
+        "open": len(records.open_records()),
+    }
+
+
+def test_every_collective_is_recorded_alike_on_every_rank():
+    first, second = run_ranks(_train_and_talk, 2, init="gloo", timeout=60)
+    for result in (first, second):
+        recs = result["records"]
+        contexts = [r["context"] for r in recs]
+        assert "DDP bucket 0, step 1" in contexts and "DDP bucket 0, step 2" in contexts, contexts
+        assert "DDP end-of-backward check" in contexts, contexts
+        user = [r for r in recs if r["context"] is None and r["op"] == "all_reduce"]
+        assert user[0]["site"] == f"test_records.py:{result['line']} in _train_and_talk", user
+        assert user[0]["shapes"] == [[3]] and user[0]["dtypes"] == ["float64"], user[0]
+        assert recs[-1]["op"] == "barrier", recs[-1]
+        # Numbered per group from 1, without gaps.
+        for group in {r["group"] for r in recs}:
+            seqs = [r["seq"] for r in recs if r["group"] == group]
+            assert seqs == list(range(seqs[0], seqs[0] + len(seqs))), (group, seqs)
+        sub = [r for r in recs if r["group"] == "ranks 0,1"]
+        assert [r["seq"] for r in sub] == [1], sub
+        assert all(r["end"] is not None and r["end"] >= r["start"] for r in recs), recs
+        assert result["open"] == 0
+    keys = ("group", "seq", "op", "shapes", "dtypes", "context")
+    assert [[r[k] for k in keys] for r in first["records"]] == [
+        [r[k] for k in keys] for r in second["records"]
+    ]
+
+
+def _many() -> dict:
+    records.install()
+    for _ in range(records.CAPACITY + 10):
+        dist.all_reduce(torch.ones(1))
+    kept = records.recent()
+    records.uninstall()
+    restored = dist.all_reduce.__module__
+    return {"kept": len(kept), "last": kept[-1].seq, "first": kept[0].seq, "module": restored}
+
+
+def test_ring_keeps_the_newest_and_uninstall_restores_torch():
+    (result,) = run_ranks(_many, 1, init="gloo", timeout=60)
+    assert result["kept"] == records.CAPACITY
+    assert result["last"] - result["first"] == records.CAPACITY - 1
+    assert result["module"] == "torch.distributed.distributed_c10d", result
