@@ -116,9 +116,9 @@ def require_process_group(wrapper: str) -> None:
     in a script that made its group without ``tandem.init()``.
     """
     if initialized():
-        from tandem.doctor import records  # imports torch.distributed: not at import time
+        from tandem import doctor  # imports torch.distributed: not at import time
 
-        records.install()
+        doctor.start()
         return
     declared = os.environ.get("WORLD_SIZE", "1")
     try:

@@ -79,6 +79,7 @@ def init(
     timeout: float | timedelta | None = None,
     rank: int | None = None,
     world_size: int | None = None,
+    hang_report_after: float | None = None,
 ) -> World:
     """Join the job: create the default process group when there is more than one process.
 
@@ -96,6 +97,9 @@ def init(
             torch's default when None.
         rank: this process's rank, where the environment does not say it.
         world_size: the number of processes, where the environment does not say it.
+        hang_report_after: seconds a collective may block before every rank is asked where it
+            is and a report names the ranks that never arrived (``tandem.doctor.hang``);
+            default 60, or ``TANDEM_HANG_REPORT_AFTER`` (``tandem run --hang-report-after``).
 
     Returns:
         The :class:`World`, also returned by :func:`world` from now on.
@@ -118,15 +122,20 @@ def init(
     import torch
     import torch.distributed as dist
 
+    from tandem import doctor
     from tandem.doctor import records
 
     global _current, _owns_group
+    if hang_report_after is not None:
+        if not hang_report_after > 0:
+            raise ValueError(f"hang_report_after must be > 0 seconds, got {hang_report_after!r}")
+        os.environ["TANDEM_HANG_REPORT_AFTER"] = str(float(hang_report_after))
     if _owns_group and _group_exists() and _current is not None:
         return _current
     if _group_exists():
         # The user made the group (mp.spawn, their own init_process_group): use it, keep off it.
         _current, _owns_group = _from_group(placement_from_env(os.environ)), False
-        records.install()  # from here on every collective is recorded
+        doctor.start()  # from here on every collective is recorded, and hangs reported
         return _current
 
     # `tandem run --backend` hands its choice down through the environment.
@@ -163,7 +172,7 @@ def init(
     _current, _owns_group = _from_group(placement), True
     # A new group numbers its collectives from 1 on every rank: the records start over with it.
     records.clear()
-    records.install()
+    doctor.start()
     return _current
 
 

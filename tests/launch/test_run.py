@@ -242,6 +242,7 @@ def test_port_in_use_is_named():
         (["--nproc-per-node", "0"], "--nproc-per-node 0 must be >= 1"),
         (["--nproc-per-node", "two"], "--nproc-per-node 'two' is not an integer"),
         (["--nnodes", "2"], "--nnodes 2 needs --master-addr"),
+        (["--hang-report-after", "0"], "--hang-report-after must be > 0 seconds, got 0.0"),
     ],
 )
 def test_bad_arguments(args, message):

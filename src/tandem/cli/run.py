@@ -56,6 +56,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _flag(p, "max-restarts", default=0, type=int, help="restart all workers up to K times")
     _flag(p, "log-dir", default=None, type=Path, help="also write each rank's output here")
     _flag(p, "backend", default=None, choices=["gloo", "nccl", "mpi"], help="for tandem.init()")
+    _flag(
+        p,
+        "hang-report-after",
+        default=None,
+        type=float,
+        help="seconds a collective may block before a hang report (default 60)",
+    )
     _flag(p, "ranks", default=None, help="show only these global ranks' output, e.g. 0 or 0,3")
     _flag(p, "local-ranks-filter", default=None, help="torchrun's: show only these local ranks")
     _flag(p, "no-prefix", action="store_true", help="do not prefix lines with [rank N]")
@@ -171,6 +178,11 @@ def build_spec(args: argparse.Namespace) -> tuple[LaunchSpec, str, int | None]:
 
 def run_command(args: argparse.Namespace) -> int:
     """``tandem run``: returns the exit status (0, or the first failure's)."""
+    after = args.hang_report_after
+    if after is not None:
+        if not after > 0:
+            raise ValueError(f"--hang-report-after must be > 0 seconds, got {after}")
+        os.environ["TANDEM_HANG_REPORT_AFTER"] = str(after)  # the workers inherit it
     spec, addr, port = build_spec(args)
     coordinator: Coordinator
     if spec.nnodes == 1:

@@ -29,7 +29,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -78,11 +78,18 @@ class Record:
     def as_dict(self) -> dict[str, Any]:
         """Plain data (JSON-ready), for reports."""
         self.poll()
-        out = asdict(self)
-        out.pop("work")
-        out["shapes"] = [list(s) for s in self.shapes]
-        out["dtypes"] = list(self.dtypes)
-        return out
+        return {
+            "seq": self.seq,
+            "op": self.op,
+            "group": self.group,
+            "shapes": [list(s) for s in self.shapes],
+            "dtypes": list(self.dtypes),
+            "context": self.context,
+            "site": self.site,
+            "thread": self.thread,
+            "start": self.start,
+            "end": self.end,
+        }
 
     def poll(self) -> bool:
         """True once ended (an async op's work is asked, and let go of when done)."""
@@ -103,6 +110,9 @@ _internal_code: dict[Any, bool] = {}  # code object -> in torch or tandem (asked
 _lock = threading.Lock()
 _local = _State()
 _originals: dict[str, Callable[..., Any]] = {}
+# Thread ident -> the record of the collective it is blocked in (a blocking call, or a wait on
+# an asynchronous one that an engine announced with `waiting`).
+blocked: dict[int, Record] = {}
 enabled = True  # switched off only to measure what recording costs
 
 
@@ -127,6 +137,39 @@ class tagged:
 
     def __exit__(self, *exc: object) -> None:
         _local.context = self.outer
+
+
+class waiting:
+    """The calling thread waits for ``record``'s collective in the block (for hang reports).
+
+    Example::
+
+        with records.waiting(records.of(work)):
+            work.wait()
+    """
+
+    __slots__ = ("me", "record")
+
+    def __init__(self, record: Record | None) -> None:
+        self.record = record
+
+    def __enter__(self) -> None:
+        self.me = threading.get_ident()
+        if self.record is not None:
+            blocked[self.me] = self.record
+
+    def __exit__(self, *exc: object) -> None:
+        if self.record is not None:
+            blocked.pop(self.me, None)
+
+
+def of(work: Any) -> Record | None:
+    """The newest record whose asynchronous work is ``work`` (None if not recorded)."""
+    with _lock:
+        for record in reversed(_ring):
+            if record.work is work:
+                return record
+    return None
 
 
 def recent(n: int | None = None) -> list[Record]:
@@ -184,9 +227,16 @@ def _recorded(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
         if group is None and group_at is not None and len(args) > group_at:
             group = args[group_at]
         record = _start(name, group, args, kwargs)
-        result = original(*args, **kwargs)
         is_async = kwargs.get("async_op") or (async_at is not None and len(args) > async_at
                                                and args[async_at])  # fmt: skip
+        me = threading.get_ident()
+        if not is_async:
+            blocked[me] = record  # inside until it returns: what a hang report looks at
+        try:
+            result = original(*args, **kwargs)
+        finally:
+            if not is_async:
+                blocked.pop(me, None)
         if name in ("isend", "irecv") or (is_async and result is not None):
             record.work = result
         else:

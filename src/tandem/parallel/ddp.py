@@ -27,6 +27,7 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from tandem._dist import group_size, require_process_group
 from tandem._profile import span
 from tandem._tree import map_tensors
+from tandem.doctor import records
 from tandem.parallel.comm_hooks import CommHook
 from tandem.parallel.join import DDPJoinHook, common_rank, training_ranks
 from tandem.parallel.reducer import Reducer
@@ -219,9 +220,10 @@ class DistributedDataParallel(nn.Module, Joinable):
         if not self.broadcast_buffers or not self._buffers_to_sync:
             return
         src = common_rank(self, training) if self._join_config.enable else 0
-        broadcast_coalesced(
-            self._buffers_to_sync, self.process_group, src=src, wait=self._wait_buffers
-        )
+        with records.tagged(f"DDP buffer broadcast, step {self.reducer.progress.step}"):
+            broadcast_coalesced(
+                self._buffers_to_sync, self.process_group, src=src, wait=self._wait_buffers
+            )
 
     def _wait_buffers(self, work: dist.Work) -> None:
         self.reducer.wait(work, "buffer broadcast")

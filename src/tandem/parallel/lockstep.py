@@ -79,19 +79,28 @@ def track(group: dist.ProcessGroup | None) -> Progress:
 
 def wait(work: dist.Work, progress: Progress, what: str) -> None:
     """``work.wait()``, but a wait that lasts checks that every rank is still in step."""
-    next_check = time.monotonic() + CHECK_AFTER_S
-    while True:
-        try:
-            work.wait(timeout=_SLICE)
-            return
-        except RuntimeError as e:
-            if not _timed_out(e):  # a peer closed its connection: say which rank left
-                _raise_if_out_of_step(progress, what, e)
-                raise
-        if time.monotonic() >= next_check:
-            _raise_if_out_of_step(progress, what, None)
-            log.debug("rank waits in %s (step %d); every rank is in step", what, progress.step)
-            next_check = time.monotonic() + CHECK_AFTER_S
+    try:
+        work.wait(timeout=_SLICE)
+        return
+    except RuntimeError as e:
+        if not _timed_out(e):  # a peer closed its connection: say which rank left
+            _raise_if_out_of_step(progress, what, e)
+            raise
+    # A wait that lasts: the hang reporter is told what it is for, and the ranks are surveyed.
+    with records.waiting(records.of(work)):
+        next_check = time.monotonic() + CHECK_AFTER_S - _SLICE.total_seconds()
+        while True:
+            try:
+                work.wait(timeout=_SLICE)
+                return
+            except RuntimeError as e:
+                if not _timed_out(e):
+                    _raise_if_out_of_step(progress, what, e)
+                    raise
+            if time.monotonic() >= next_check:
+                _raise_if_out_of_step(progress, what, None)
+                log.debug("rank waits in %s (step %d); every rank is in step", what, progress.step)
+                next_check = time.monotonic() + CHECK_AFTER_S
 
 
 def _timed_out(error: RuntimeError) -> bool:

@@ -231,9 +231,10 @@ class Reducer:
         order = self.ready_order + [i for i in range(len(self.params)) if i not in seen]
         if self.world_size > 1:
             t = torch.tensor(order, dtype=torch.int64, device=self.params[0].device)
-            work = dist.broadcast(
-                t, src=global_rank(self.group, 0), group=self.group, async_op=True
-            )
+            with records.tagged(f"DDP bucket rebuild, step {self.progress.step}"):
+                work = dist.broadcast(
+                    t, src=global_rank(self.group, 0), group=self.group, async_op=True
+                )
             self.wait(work, "bucket rebuild broadcast")
             order = t.tolist()
         layout = self._layout(order)
