@@ -22,6 +22,7 @@ The report does not stop the job: the collective's timeout still does. Example o
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import logging
@@ -71,6 +72,8 @@ class Reporter:
         base = dist.distributed_c10d._get_default_store()
         if cls._thread is not None and cls._thread.is_alive() and cls._base is base:
             return
+        if cls._thread is None:
+            atexit.register(cls._exiting)
         cls._base = base
         cls._store = dist.PrefixStore("tandem/doctor/", base)
         cls._rank, cls._world = dist.get_rank(), dist.get_world_size()
@@ -86,6 +89,14 @@ class Reporter:
     _main: int | None = None
 
     _answered = 0
+
+    @classmethod
+    def _exiting(cls) -> None:
+        # Never inside a store call while the interpreter tears down: a C++ thread dropping
+        # Python objects then aborts the process.
+        cls._stop.set()
+        if cls._thread is not None:
+            cls._thread.join(timeout=2 * _POLL_S)
 
     @classmethod
     def _run(cls, store: Any) -> None:
