@@ -24,6 +24,7 @@ from __future__ import annotations
 import collections
 import functools
 import inspect
+import json
 import os
 import sys
 import threading
@@ -48,6 +49,23 @@ OPS = (
 )  # fmt: skip
 
 _INTERNAL = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))
+_POINT_TO_POINT = ("send", "recv", "isend", "irecv")
+# Collectives that every rank calls with the same shapes and dtypes (gather and scatter pass a
+# list on one rank only; all_to_all's splits may differ): strict mode compares those too.
+_SAME_SHAPES = (
+    "all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor",
+    "reduce_scatter", "reduce_scatter_tensor",
+)  # fmt: skip
+
+#: ``TANDEM_DEBUG=collectives``: before every collective, the ranks of its group compare what
+#: they are about to issue (op, shapes, dtypes) through the store, and all raise
+#: :class:`CollectiveMismatchError` if they differ, instead of a Gloo abort, a wrong result or
+#: a hang. A round trip to the store per collective: for debugging. Read by :func:`install`.
+strict = False
+
+
+class CollectiveMismatchError(RuntimeError):
+    """Ranks were about to issue different collectives at the same number in a group."""
 
 
 @dataclass(slots=True)
@@ -194,6 +212,8 @@ def clear() -> None:
 
 def install() -> None:
     """Record every collective from now on (``tandem.init()`` calls this; idempotent)."""
+    global strict
+    strict = "collectives" in os.environ.get("TANDEM_DEBUG", "").split(",")
     for name in OPS:
         original = getattr(c10d, name, None)
         if original is None or name in _originals:
@@ -233,6 +253,8 @@ def _recorded(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
         if not is_async:
             blocked[me] = record  # inside until it returns: what a hang report looks at
         try:
+            if strict and name not in _POINT_TO_POINT:
+                _check_everywhere(record, group)
             result = original(*args, **kwargs)
         finally:
             if not is_async:
@@ -312,3 +334,44 @@ def user_line(frame: Any) -> str:
             return f"{os.path.basename(code.co_filename)}:{frame.f_lineno} in {code.co_name}"
         frame = frame.f_back
     return "?"
+
+
+_group_ranks: dict[Any, list[int]] = {}
+
+
+def _check_everywhere(record: Record, group: Any) -> None:
+    """Strict mode: every rank of ``group`` publishes ``record`` and compares all of them."""
+    key = id(group) if group is not None else None
+    ranks = _group_ranks.get(key)
+    if ranks is None:
+        ranks = _group_ranks[key] = (
+            list(range(dist.get_world_size())) if group is None
+            else dist.get_process_group_ranks(group)
+        )  # fmt: skip
+    store = dist.PrefixStore("tandem/strict/", c10d._get_default_store())
+    mine = {"op": record.op, "shapes": record.shapes, "dtypes": record.dtypes, "site": record.site}
+    prefix = f"{record.group}/{record.seq}/"
+    store.set(prefix + str(dist.get_rank()), json.dumps(mine))
+    keys = [prefix + str(r) for r in ranks]
+    store.wait(keys)  # a rank that never comes is a hang: the hang report names it
+    everyone = {r: json.loads(v) for r, v in zip(ranks, store.multi_get(keys), strict=True)}
+    compared = ("op", "shapes", "dtypes") if record.op in _SAME_SHAPES else ("op",)
+
+    def what(d: dict) -> tuple:
+        return tuple(json.dumps(d[k]) for k in compared)
+
+    if len({what(d) for d in everyone.values()}) == 1:
+        return
+    sides = "; ".join(f"rank {r}: {_side(d)}" for r, d in everyone.items())
+    raise CollectiveMismatchError(
+        f"collective #{record.seq} of {record.group} differs across ranks: {sides}. Every rank "
+        "must issue the same collectives, in the same order, with the same shapes and dtypes "
+        "(look for a collective under `if rank == ...`, or data-dependent shapes)"
+    )
+
+
+def _side(d: dict) -> str:
+    """``all_reduce of float32 (3,) at train.py:10 in main``: one rank's side of a mismatch."""
+    pairs = zip(d["shapes"], d["dtypes"], strict=True)
+    tensors = ", ".join(f"{t} {tuple(s)}" for s, t in pairs) or "no tensors"
+    return f"{d['op']} of {tensors} at {d['site']}"
