@@ -42,6 +42,9 @@ from tandem.doctor import records
 log = logging.getLogger(__name__)
 
 DEFAULT_AFTER_S = 60.0
+# A collective blocked this long is compared across ranks (op, shapes, dtypes): cheap, and a
+# mismatch is reported without waiting for the hang threshold.
+DESYNC_CHECK_S = 5.0
 _POLL_S = 0.5
 _ANSWER_WITHIN_S = 5.0
 
@@ -101,6 +104,7 @@ class Reporter:
     @classmethod
     def _run(cls, store: Any) -> None:
         cls._answered = 0
+        checked: records.Record | None = None  # compared across ranks (the cheap check)
         reported: records.Record | None = None
         try:
             while not cls._stop.wait(_POLL_S) and store is cls._store and dist.is_initialized():
@@ -108,12 +112,19 @@ class Reporter:
                 stuck = records.blocked.get(cls._main) if cls._main is not None else None
                 if stuck is None or stuck is reported:
                     continue
-                if time.time() - stuck.start >= report_after():
+                waited, after = time.time() - stuck.start, report_after()
+                full = waited >= after
+                if not full and (stuck is checked or waited < min(DESYNC_CHECK_S, after)):
+                    continue
+                # A few seconds in: do the ranks' collectives even match? Reported at once if
+                # not (a mismatched op hangs Gloo); the full report waits for the threshold.
+                checked = stuck
+                try:
+                    if cls._survey(store, stuck, only_if_mismatched=not full):
+                        reported = stuck
+                except (ValueError, TypeError, KeyError) as e:  # a bug of ours: say so
                     reported = stuck
-                    try:
-                        cls._survey(store, stuck)
-                    except (ValueError, TypeError, KeyError) as e:  # a bug of ours: say so
-                        log.warning("tandem: the hang report failed: %r", e)
+                    log.warning("tandem: the hang report failed: %r", e)
         except Exception:  # the store went away with the job: nothing left to report
             return
 
@@ -151,7 +162,9 @@ class Reporter:
         }
 
     @classmethod
-    def _survey(cls, store: Any, stuck: records.Record) -> None:
+    def _survey(cls, store: Any, stuck: records.Record, only_if_mismatched: bool) -> bool:
+        """Ask every rank, build the report; print and write it (True) unless only a mismatch
+        was to be reported and there is none (False)."""
         query = int(store.add("queries", 1))
         deadline = time.monotonic() + _ANSWER_WITHIN_S
         answers: dict[int, dict[str, Any]] = {cls._rank: cls.state()}
@@ -163,6 +176,8 @@ class Reporter:
                     answers[r] = json.loads(store.get(key))
             time.sleep(0.05)
         report = build_report(cls._rank, stuck, answers, cls._world)
+        if only_if_mismatched and not report["mismatched"]:
+            return False
         cls.reports.append(report)
         # One rank prints: the first to claim this hang (every waiting rank builds the same).
         claim = store.compare_set(f"printed/{stuck.group}/{stuck.seq}", "", str(cls._rank))
@@ -174,6 +189,7 @@ class Reporter:
             name = f"tandem-hang-rank{cls._rank}-{stuck.op}-{stuck.seq}.json"
             path = where / name
             path.write_text(json.dumps(report, indent=2))
+        return True
 
 
 def build_report(
@@ -182,7 +198,7 @@ def build_report(
     """The report of ``rank``, blocked in ``stuck``, from every rank's answer (laggards first)."""
     waited = time.time() - stuck.start
     lines = [f"tandem: rank {rank} has waited {waited:.0f} s in {stuck.describe()}"]
-    laggards, waiting, silent = [], [], []
+    laggards, waiting, silent, mismatched = [], [], [], []
     for r in range(world):
         answer = answers.get(r)
         if r == rank:
@@ -198,10 +214,17 @@ def build_report(
                 f"  rank {r} never entered {stuck.op} #{stuck.seq}: its newest is {had}; "
                 f"it is at {answer['where']}"
             )
+        elif seq == stuck.seq and _fingerprint(newest) != _fingerprint(stuck.as_dict()):
+            mismatched.append(
+                f"  rank {r} issued {_side(newest)} where rank {rank} issued "
+                f"{_side(stuck.as_dict())}: the ranks' collectives differ "
+                "(TANDEM_DEBUG=collectives checks every one before it is issued)"
+            )
         elif answer["blocked"] is not None:
             waiting.append(f"  rank {r} waits in {_describe(answer['blocked'])} too")
         else:
             waiting.append(f"  rank {r} has passed it; it is at {answer['where']}")
+    lines += mismatched
     lines += laggards
     lines += [f"  rank {r} did not answer within {_ANSWER_WITHIN_S:.0f} s" for r in silent]
     lines += waiting
@@ -219,6 +242,7 @@ def build_report(
         "waited_s": waited,
         "collective": stuck.as_dict(),
         "laggards": [line.strip() for line in laggards],
+        "mismatched": [line.strip() for line in mismatched],
         "silent": silent,
         "ranks": answers,
         "text": "\n".join(lines),
@@ -228,3 +252,13 @@ def build_report(
 def _describe(record: dict[str, Any]) -> str:
     where = f" ({record['context']})" if record.get("context") else ""
     return f"{record['op']} #{record['seq']}{where}"
+
+
+def _fingerprint(record: dict[str, Any]) -> tuple:
+    return (record["op"], json.dumps(record["shapes"]), json.dumps(record["dtypes"]))
+
+
+def _side(record: dict[str, Any]) -> str:
+    pairs = zip(record["shapes"], record["dtypes"], strict=True)
+    tensors = ", ".join(f"{t} {tuple(s)}" for s, t in pairs) or "no tensors"
+    return f"{record['op']} #{record['seq']} of {tensors} at {record['site']}"
