@@ -337,3 +337,15 @@ def test_launcher_does_not_import_torch():
     code = "import sys, tandem.cli, tandem.launch.supervisor; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_a_timed_out_collective_ends_with_the_hang_report():
+    # Rank 1 never reaches the all-reduce; rank 0 reports after 2 s, its collective times out
+    # after 10 s, and the launcher's exit summary carries the report.
+    worker = str(Path(__file__).with_name("hang_worker.py"))
+    result = tandem_run("--nproc-per-node", "2", worker, timeout=90)
+    assert result.returncode != 0
+    summary = result.stderr[result.stderr.index("tandem run: rank") :]
+    assert "--- the newest hang report ---" in summary, result.stderr
+    assert "rank 1 never entered all_reduce #1" in summary, summary
+    assert "hang_worker.py:12 in read_forever" in summary, summary

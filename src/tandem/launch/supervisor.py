@@ -24,11 +24,14 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -114,6 +117,11 @@ class Supervisor:
         self.workers: list[Worker] = []
         self.stop_signal: int | None = None
         self.host = socket.gethostname()
+        # Where the workers write hang reports (tandem.doctor.hang): the exit summary of a job
+        # that a collective's timeout ended carries the newest one.
+        chosen = os.environ.get("TANDEM_REPORT_DIR") or spec.log_dir
+        self.own_reports = chosen is None  # a temporary directory, removed at the end
+        self.reports = Path(chosen if chosen is not None else tempfile.mkdtemp(prefix="tandem-"))
 
     def run(self) -> int:
         previous = {s: signal.signal(s, self._on_signal) for s in FORWARDED}
@@ -121,6 +129,8 @@ class Supervisor:
             return self._attempts()
         finally:
             self._stop_all(signal.SIGKILL, grace=0)
+            if self.own_reports:
+                shutil.rmtree(self.reports, ignore_errors=True)
             for s, handler in previous.items():
                 signal.signal(s, handler)
 
@@ -142,6 +152,9 @@ class Supervisor:
                     return 0
             self._stop_all(signal.SIGTERM, self.spec.grace_s)
             _say(failure.summary())
+            report = newest_hang_report(self.reports, named=not self.own_reports)
+            if report is not None:
+                _say(report)
         assert failure is not None
         return failure.exit_code()
 
@@ -156,6 +169,7 @@ class Supervisor:
             GROUP_RANK=str(spec.node_rank),
             NODE_RANK=str(spec.node_rank),
             ROLE_NAME="default",
+            TANDEM_REPORT_DIR=str(self.reports),
             ROLE_WORLD_SIZE=str(spec.world_size),
             MASTER_ADDR=addr,
             MASTER_PORT=str(port),
@@ -274,3 +288,21 @@ def _relay(
     thread = threading.Thread(target=pump, daemon=True)
     thread.start()
     return thread
+
+
+def newest_hang_report(directory: Path, named: bool = True) -> str | None:
+    """The text of the newest hang report a worker wrote in ``directory`` (None if none);
+    ``named``: its file is kept, and named in the heading.
+
+    Example::
+
+        if (text := newest_hang_report(Path("logs"))) is not None:
+            print(text)
+    """
+    found = sorted(directory.glob("tandem-hang-*.json"), key=lambda p: p.stat().st_mtime)
+    for path in reversed(found):
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            text = json.loads(path.read_text())["text"]
+            kept = f" ({path})" if named else ""
+            return f"--- the newest hang report{kept} ---\n{text}\n---"
+    return None
