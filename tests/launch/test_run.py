@@ -349,3 +349,25 @@ def test_a_timed_out_collective_ends_with_the_hang_report():
     assert "--- the newest hang report ---" in summary, result.stderr
     assert "rank 1 never entered all_reduce #1" in summary, summary
     assert "hang_worker.py:12 in read_forever" in summary, summary
+
+
+@pytest.mark.parametrize(("term_timeout", "saved"), [(None, True), ("1", False)])
+def test_sigterm_gives_workers_the_term_timeout_to_finish(term_timeout, saved):
+    # Workers that need 3 s after SIGTERM (a checkpoint being written): the default 30 s lets
+    # them finish; a 1 s term timeout kills them.
+    flags = [] if term_timeout is None else ["--term-timeout", term_timeout]
+    launcher = subprocess.Popen(
+        [*TANDEM, "run", "--nproc-per-node", "2", *flags, WORKERS, "slow_stop", "3"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    ready = 0
+    while ready < 2:
+        line = launcher.stdout.readline()
+        assert line, launcher.stderr.read()
+        ready += "READY" in line
+    launcher.send_signal(signal.SIGTERM)
+    out, err = launcher.communicate(timeout=40)
+    assert launcher.returncode == 128 + signal.SIGTERM, err
+    assert (out.count("SAVED rank") == 2) is saved, (out, err)

@@ -54,6 +54,16 @@ elif MODE == "linger":  # a child of its own (like a DataLoader worker), then wa
     signal.signal(signal.SIGUSR1, lambda *a: print(f"USR1 on rank {RANK}", flush=True))
     print(f"READY rank {RANK} child {child.pid}", flush=True)
     time.sleep(120)
+elif MODE == "slow_stop":  # on SIGTERM, take a few seconds to finish (a checkpoint being saved)
+
+    def save_and_leave(*_: object) -> None:
+        time.sleep(float(ARGS[0]))
+        print(f"SAVED rank {RANK}", flush=True)
+        sys.exit(0)
+
+    signal.signal(signal.SIGTERM, save_and_leave)
+    print(f"READY rank {RANK}", flush=True)
+    time.sleep(120)
 elif MODE == "restart":  # fail in the first attempt only
     count = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
     print(f"ATTEMPT {count} PORT {os.environ['MASTER_PORT']}", flush=True)

@@ -67,7 +67,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _flag(p, "local-ranks-filter", default=None, help="torchrun's: show only these local ranks")
     _flag(p, "no-prefix", action="store_true", help="do not prefix lines with [rank N]")
     _flag(p, "rdzv-timeout", default=300.0, type=float, help="seconds to wait for all nodes")
-    _flag(p, "grace-period", default=3.0, type=float, help="seconds between SIGTERM and SIGKILL")
+    _flag(
+        p,
+        "grace-period",
+        default=3.0,
+        type=float,
+        help="after a worker failed: seconds the others get between SIGTERM and SIGKILL",
+    )
+    _flag(
+        p,
+        "term-timeout",
+        default=30.0,
+        type=float,
+        help="after SIGTERM/SIGINT to tandem run: seconds the workers get to finish (a "
+        "Trainer saves a checkpoint) before SIGKILL",
+    )
     _flag(p, "standalone", action="store_true", help="accepted for torchrun compatibility")
     _flag(p, "no-python", action="store_true", help="run the script as an executable")
     p.add_argument("-m", "--module", action="store_true", help="run a module, as python -m")
@@ -171,6 +185,7 @@ def build_spec(args: argparse.Namespace) -> tuple[LaunchSpec, str, int | None]:
         prefix=not args.no_prefix,
         backend=args.backend,
         grace_s=args.grace_period,
+        term_timeout_s=args.term_timeout,
     )
     # One node: rendezvous on loopback, where no other host can reach or disturb it.
     return spec, addr or "127.0.0.1", port
@@ -178,6 +193,8 @@ def build_spec(args: argparse.Namespace) -> tuple[LaunchSpec, str, int | None]:
 
 def run_command(args: argparse.Namespace) -> int:
     """``tandem run``: returns the exit status (0, or the first failure's)."""
+    if args.term_timeout < 0:
+        raise ValueError(f"--term-timeout must be >= 0 seconds, got {args.term_timeout}")
     after = args.hang_report_after
     if after is not None:
         if not after > 0:

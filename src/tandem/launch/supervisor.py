@@ -61,7 +61,10 @@ class LaunchSpec:
     show_ranks: frozenset[int] | None = None
     prefix: bool = True
     backend: str | None = None
-    grace_s: float = 3.0
+    grace_s: float = 3.0  # after a worker failed: the others get this long before SIGKILL
+    # After SIGTERM/SIGINT to the launcher: the workers get this long (a Trainer saves its
+    # checkpoint on SIGTERM; a large model's takes seconds) before SIGKILL.
+    term_timeout_s: float = 30.0
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
 
     @property
@@ -143,7 +146,9 @@ class Supervisor:
             self._start(attempt, addr, port, extra)
             failure = self._watch(attempt)
             if self.stop_signal is not None:
-                self._stop_all(signal.SIGTERM, self.spec.grace_s)
+                # The workers have the signal already; those still saving get the longer wait.
+                self._wait_all(self.spec.term_timeout_s)
+                self._stop_all(signal.SIGKILL, 0)
                 _say(f"stopped by {signal.Signals(self.stop_signal).name}")
                 return 128 + self.stop_signal
             if failure is None:
@@ -217,6 +222,12 @@ class Supervisor:
                 return remote
             time.sleep(0.02)
         return None
+
+    def _wait_all(self, seconds: float) -> None:
+        """Until every worker has exited, or ``seconds`` have passed."""
+        deadline = time.monotonic() + seconds
+        while any(w.proc.poll() is None for w in self.workers) and time.monotonic() < deadline:
+            time.sleep(0.02)
 
     def _stop_all(self, signum: int, grace: float) -> None:
         alive = [w for w in self.workers if w.proc.poll() is None]
