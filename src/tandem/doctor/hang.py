@@ -32,6 +32,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -131,12 +132,7 @@ class Reporter:
     @classmethod
     def _answer(cls, store: Any) -> None:
         """Answer every question asked since the last answer (its own included: harmless)."""
-        asked = int(store.add("queries", 0))
-        if asked > cls._answered:
-            state = json.dumps(cls.state())
-            for query in range(cls._answered + 1, asked + 1):
-                store.set(f"answer/{query}/{cls._rank}", state)
-            cls._answered = asked
+        cls._answered = answer_queries(store, cls._answered, cls._rank, cls.state)
 
     @classmethod
     def state(cls) -> dict[str, Any]:
@@ -190,6 +186,20 @@ class Reporter:
             path = where / name
             path.write_text(json.dumps(report, indent=2))
         return True
+
+
+def answer_queries(store: Any, answered: int, rank: int, state: Callable[[], dict]) -> int:
+    """Answer the questions put in ``store`` since question ``answered``; the last one answered.
+
+    The protocol both this reporter and tandem.DDP's lockstep survey use: an asker increments
+    ``queries`` and reads ``answer/<query>/<rank>`` from every rank.
+    """
+    asked = int(store.add("queries", 0))
+    if asked > answered:
+        text = json.dumps(state())
+        for query in range(answered + 1, asked + 1):
+            store.set(f"answer/{query}/{rank}", text)
+    return max(asked, answered)
 
 
 def build_report(

@@ -44,6 +44,7 @@ import torch.distributed as dist
 
 from tandem._dist import global_ranks, group_size, initialized
 from tandem.doctor import records
+from tandem.doctor.hang import answer_queries
 
 log = logging.getLogger("tandem.lockstep")
 
@@ -207,12 +208,7 @@ class _Answerer:
             # Until the process exits or its group is destroyed, or a newer group's thread
             # takes over: never inside a store call while the interpreter tears down.
             while not cls._stop.wait(_POLL_S) and store is cls.store and initialized():
-                asked = store.add("queries", 0)
-                if asked > answered:
-                    state = json.dumps(cls._state())
-                    for query in range(answered + 1, asked + 1):
-                        store.set(f"answer/{query}/{rank}", state)
-                    answered = asked
+                answered = answer_queries(store, answered, rank, cls._state)
                 if store.check([f"verdict/{rank}"]):
                     cls._convicted(store.get(f"verdict/{rank}").decode())
                     store.set(f"ack/{rank}", "1")
