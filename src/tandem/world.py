@@ -8,27 +8,31 @@ A job of one process needs no process group, so the same script runs on one proc
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit
 
+from tandem.init_args import (
+    announce_bad_environment,
+    check_init_method,
+    checked_backend,
+    checked_timeout,
+    export_master,
+    store_address,
+)
 from tandem.launch.env import (
     LOCAL_RANK_VARIABLE,
     Placement,
     override_placement,
     placement_from_env,
 )
+from tandem.launch.meeting import meet, rendezvous_timeout_s
 
 # torch is imported inside the functions that need it: `import tandem` stays fast, and the
 # launcher (which imports this package) never pays for torch.
 if TYPE_CHECKING:
     import torch
-
-BACKENDS = ("gloo", "nccl", "mpi")
-INIT_SCHEMES = ("env", "tcp", "file")
 
 
 @dataclass(frozen=True)
@@ -80,6 +84,7 @@ def init(
     rank: int | None = None,
     world_size: int | None = None,
     hang_report_after: float | None = None,
+    rendezvous_timeout: float | None = None,
 ) -> World:
     """Join the job: create the default process group when there is more than one process.
 
@@ -100,6 +105,10 @@ def init(
         hang_report_after: seconds a collective may block before every rank is asked where it
             is and a report names the ranks that never arrived (``tandem.doctor.hang``);
             default 60, or ``TANDEM_HANG_REPORT_AFTER`` (``tandem run --hang-report-after``).
+        rendezvous_timeout: seconds the processes wait for each other at the start (default
+            60, or ``TANDEM_RENDEZVOUS_TIMEOUT``): a rank that never arrives, a RANK given
+            twice, a WORLD_SIZE that differs or a busy port fails every rank by then
+            (:mod:`tandem.launch.meeting`).
 
     Returns:
         The :class:`World`, also returned by :func:`world` from now on.
@@ -109,6 +118,7 @@ def init(
             with its value.
         RuntimeError: the backend is not usable here (MPI missing from this torch build, NCCL
             without CUDA).
+        RendezvousError: the processes could not meet (the message says why and who).
 
     Example::
 
@@ -139,10 +149,17 @@ def init(
         return _current
 
     # `tandem run --backend` hands its choice down through the environment.
-    backend = _checked_backend(backend or os.environ.get("TANDEM_BACKEND") or None)
-    _check_init_method(init_method)
-    delta = _checked_timeout(timeout)
-    placement = override_placement(placement_from_env(os.environ), rank=rank, world_size=world_size)
+    backend = checked_backend(backend or os.environ.get("TANDEM_BACKEND") or None)
+    check_init_method(init_method)
+    delta = checked_timeout(timeout)
+    meeting_s = rendezvous_timeout_s(rendezvous_timeout)
+    try:
+        placement = override_placement(
+            placement_from_env(os.environ), rank=rank, world_size=world_size
+        )
+    except ValueError:
+        announce_bad_environment(rank, world_size)
+        raise
     device = _device(placement)
     if placement.world_size == 1 and init_method is None and backend != "mpi":
         _current = _record(placement, None, device)
@@ -159,12 +176,23 @@ def init(
     else:
         init_method = init_method or "env://"
         if init_method.startswith("env://"):
-            _export_master(placement)
-        if placement.rank != 0:
-            _wait_for_rank0(init_method, delta)
+            export_master(placement)
+        where = store_address(init_method)
+        store = None
+        if where is not None:  # every process checks in first (file:// is torch's own)
+            store = _meet(
+                *where,
+                placement.rank,
+                placement.world_size,
+                timeout=meeting_s,
+                agent_store=os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
+                restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0),
+                store_timeout=delta,
+            )
         dist.init_process_group(
             backend,
-            init_method=init_method,
+            init_method=None if store is not None else init_method,
+            store=store,
             rank=placement.rank,
             world_size=placement.world_size,
             timeout=delta,  # None: the backend's own default
@@ -289,115 +317,5 @@ def _device(placement: Placement) -> torch.device:
     return torch.device("cuda", placement.local_rank)
 
 
-def _checked_backend(backend: str | None) -> str | None:
-    import torch
-    import torch.distributed as dist
-
-    if backend is None:
-        return None
-    name = backend.lower() if isinstance(backend, str) else backend
-    if name not in BACKENDS:
-        raise ValueError(
-            f"backend={backend!r} is not one of {', '.join(BACKENDS)}; leave it out to get "
-            "nccl where CUDA is available and gloo elsewhere"
-        )
-    if name == "mpi" and not dist.is_mpi_available():
-        raise RuntimeError(
-            "backend='mpi' was asked for, but this torch build has no MPI support "
-            "(torch.distributed.is_mpi_available() is False); use 'gloo' or 'nccl', or a torch "
-            "built from source against your MPI"
-        )
-    if name == "nccl" and not (torch.cuda.is_available() and dist.is_nccl_available()):
-        raise RuntimeError(
-            "backend='nccl' needs CUDA and a torch built with NCCL, and this one has "
-            f"cuda={torch.cuda.is_available()}, nccl={dist.is_nccl_available()}; use 'gloo'"
-        )
-    return name
-
-
-def _check_init_method(init_method: str | None) -> None:
-    if init_method is None:
-        return
-    parts = urlsplit(init_method)
-    if parts.scheme not in INIT_SCHEMES:
-        raise ValueError(
-            f"init_method={init_method!r} has the unknown scheme {parts.scheme!r}; use env://, "
-            "tcp://HOST:PORT or file:///ABSOLUTE/PATH"
-        )
-    if parts.scheme == "tcp":
-        try:
-            port = parts.port  # raises for a non-number or a number past 65535
-        except ValueError:
-            port = None
-        if not parts.hostname or port is None or not 1 <= port <= 65535:
-            raise ValueError(
-                f"init_method={init_method!r} is not tcp://HOST:PORT with PORT in 1..65535"
-            )
-    if parts.scheme == "file" and (parts.netloc or not parts.path):
-        raise ValueError(
-            f"init_method={init_method!r} is not file:///ABSOLUTE/PATH (three slashes, then a "
-            "path every process can reach)"
-        )
-
-
-def _checked_timeout(timeout: float | timedelta | None) -> timedelta | None:
-    if timeout is None:
-        return None
-    if isinstance(timeout, timedelta):
-        seconds = timeout.total_seconds()
-    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
-        seconds = float(timeout)
-    else:
-        raise ValueError(f"timeout={timeout!r} is neither seconds nor a timedelta")
-    if not (seconds > 0 and math.isfinite(seconds)):
-        raise ValueError(f"timeout={timeout!r} must be a positive, finite duration")
-    return timedelta(seconds=seconds)
-
-
-def _export_master(placement: Placement) -> None:
-    """Put the rendezvous address where torch's env:// reads it: in ``os.environ``.
-
-    Under SLURM the address and port were derived, not set; exporting them also lets processes
-    this one starts find the same rendezvous.
-    """
-    for name, value in (
-        ("MASTER_ADDR", placement.master_addr),
-        ("MASTER_PORT", placement.master_port),
-    ):
-        if value is None:
-            raise ValueError(
-                f"{name} is not set and the {placement.source} environment does not imply it; "
-                "init_method='env://' needs MASTER_ADDR and MASTER_PORT (rank 0's host and a "
-                "free port): export them, or pass init_method='tcp://HOST:PORT'"
-            )
-        os.environ.setdefault(name, str(value))
-
-
-def _wait_for_rank0(init_method: str, timeout: timedelta | None) -> None:
-    """Return once rank 0's store accepts connections (or at the deadline, and let torch fail).
-
-    torch's store client backs off for most of a second after a refused connection; ranks that
-    finish importing torch before rank 0 listens would all pay it. Polling every 10 ms instead
-    gets every rank past init as soon as rank 0 is.
-    """
-    import socket
-    import time
-
-    if init_method.startswith("env://"):
-        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-            return  # the launcher's store, listening since before this process started
-        host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    elif init_method.startswith("tcp://"):
-        parts = urlsplit(init_method)
-        host, port = parts.hostname or "", parts.port or 0
-    else:
-        return
-    deadline = time.monotonic() + (timeout.total_seconds() if timeout else 1800.0)
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection((host, port), timeout=1.0):
-                return
-        except socket.gaierror:
-            return  # an unknown host: torch's own error says it best
-        except OSError:
-            time.sleep(0.01)
+# The rendezvous of init(), a seam for tests that have no peers to meet.
+_meet = meet

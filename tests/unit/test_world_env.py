@@ -10,6 +10,7 @@ group is created.
 
 from __future__ import annotations
 
+import importlib
 import os
 from datetime import timedelta
 
@@ -24,6 +25,9 @@ from tandem.launch.env import (
     slurm_master_port,
 )
 from tandem.world import World, init, shutdown, world
+
+# `tandem.world` the attribute is the function: the module, for monkeypatching its seam.
+tandem_world = importlib.import_module("tandem.world")
 
 TORCHRUN = {
     "RANK": "5",
@@ -303,6 +307,8 @@ def test_nccl_sets_the_device_before_creating_the_group(clean_env):
     clean_env.setattr(dist, "get_rank", lambda: 1)
     clean_env.setattr(dist, "get_world_size", lambda: 2)
     clean_env.setattr(dist, "get_backend", lambda: "nccl")
+    store = object()  # no peers to meet here: the rendezvous hands over a stand-in store
+    clean_env.setattr(tandem_world, "_meet", lambda *a, **kw: calls.append(("meet", a)) or store)
     for name, value in {
         **TORCHRUN,
         "RANK": "1",
@@ -315,9 +321,11 @@ def test_nccl_sets_the_device_before_creating_the_group(clean_env):
     w = init(timeout=12.5)
 
     assert calls[0] == ("set_device", "cuda:1")
-    assert calls[1][:2] == ("init", "nccl")
-    assert calls[1][2] == {
-        "init_method": "env://",
+    assert calls[1][0] == "meet" and calls[1][1][2:] == (1, 2)  # rank 1 of 2 checks in
+    assert calls[2][:2] == ("init", "nccl")
+    assert calls[2][2] == {
+        "init_method": None,
+        "store": store,
         "rank": 1,
         "world_size": 2,
         "timeout": timedelta(seconds=12.5),
