@@ -39,6 +39,8 @@ import time
 from datetime import timedelta
 from typing import Any
 
+from tandem.launch.rendezvous import key_scope
+
 PREFIX = "tandem/rendezvous/"
 DEFAULT_TIMEOUT_S = 60.0
 #: Where a process that found the job broken after it formed leaves its message, relative to the
@@ -93,7 +95,8 @@ def meet(
         timeout: seconds to wait for the store and for every process.
         agent_store: the launcher hosts the store (``TORCHELASTIC_USE_AGENT_STORE``); every
             rank connects, under a prefix per restart (``restart``) so that a restarted job
-            never reads the keys of the failed attempt.
+            never reads the keys of the failed attempt, and per job secret
+            (``TANDEM_JOB_SECRET``) so that a client without it cannot touch them.
         store_timeout: how long the group's store operations wait afterwards (the collective
             timeout; torch's default when None).
 
@@ -108,7 +111,9 @@ def meet(
 
     deadline = time.monotonic() + timeout
     if agent_store:
-        base = dist.PrefixStore(f"/worker/attempt_{restart}", _connect(host, port, deadline))
+        # Under the job's secret, if it has one (see launch.rendezvous.key_scope).
+        prefix = f"/worker/{key_scope()}attempt_{restart}"
+        base = dist.PrefixStore(prefix, _connect(host, port, deadline))
     elif rank == 0:
         base = _host(host, port, timeout)
     else:

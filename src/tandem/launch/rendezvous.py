@@ -14,13 +14,38 @@ Example::
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import socket
+import sys
 import time
+from collections.abc import Mapping
 from dataclasses import asdict
 from typing import Protocol
 
 from tandem.launch.failures import Failure
+
+#: A secret every node of a job shares (``tandem slurm`` makes one per job): the store keys of
+#: the launchers and of ``tandem.init`` live under a name derived from it, so a client without it
+#: can neither read them nor forge one (a "failed" key that would stop the job).
+SECRET_VARIABLE = "TANDEM_JOB_SECRET"
+
+
+def key_scope(environ: Mapping[str, str] = os.environ) -> str:
+    """The store-key prefix the job's secret gives (``""`` without one); never the secret itself.
+
+    Example::
+
+        >>> key_scope({"TANDEM_JOB_SECRET": "s3cret"})
+        'job-1ec1c26b50d5d3c58d9583181af80766/'
+        >>> key_scope({})
+        ''
+    """
+    secret = environ.get(SECRET_VARIABLE)
+    if not secret:
+        return ""
+    return f"job-{hashlib.sha256(secret.encode()).hexdigest()[:32]}/"
 
 
 class LaunchError(RuntimeError):
@@ -99,6 +124,15 @@ class StoreCoordinator:
 
         self.nnodes, self.node_rank, self.addr, self.port = nnodes, node_rank, addr, port
         self.timeout = timeout
+        self.scope = key_scope()
+        if not self.scope and node_rank == 0:
+            print(
+                f"tandem run: warning: the job's store at {addr}:{port} takes keys from any "
+                f"host that reaches it; export the same {SECRET_VARIABLE} (e.g. from `openssl "
+                "rand -hex 16`) on every node to keep other programs out",
+                file=sys.stderr,
+                flush=True,
+            )
         self.host = socket.gethostname()
         delta = timedelta(seconds=timeout)
         if node_rank == 0:
@@ -116,7 +150,7 @@ class StoreCoordinator:
                 ) from exc
 
     def _key(self, attempt: int, name: str) -> str:
-        return f"tandem/attempt_{attempt}/{name}"
+        return f"tandem/{self.scope}attempt_{attempt}/{name}"
 
     def begin(self, attempt: int) -> tuple[str, int, dict[str, str]]:
         self.store.set(self._key(attempt, f"node_{self.node_rank}"), self.host)

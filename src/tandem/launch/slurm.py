@@ -193,6 +193,10 @@ requeue() {{
 }}
 trap requeue USR1
 
+# The nodes' store keys live under this job's own secret (made here, never printed; a requeued
+# job makes a new one): a program that reaches node 0's port cannot read or forge them.
+export TANDEM_JOB_SECRET="${{TANDEM_JOB_SECRET:-$(od -An -N16 -tx1 /dev/urandom | tr -d ' \\n')}}"
+
 # bash runs a trap only between commands, so srun runs in the background while the shell waits
 # in `wait`, which a trapped signal interrupts; the loop then waits again for srun's own status.
 # --kill-on-bad-exit=1: when a node's workers fail, every node's are ended, instead of the
