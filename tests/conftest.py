@@ -10,9 +10,22 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 
 def pytest_ignore_collect(collection_path: Path) -> bool | None:
     name = collection_path.name
     if collection_path.suffix != ".py" or name in ("__init__.py", "conftest.py"):
         return None
     return None if name.startswith("test_") else True
+
+
+@pytest.fixture(autouse=True)
+def _reports_in_tmp(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Hang, step and checkpoint reports go to a temporary folder, never into the checkout.
+
+    A test that wants them sets ``TANDEM_REPORT_DIR`` itself (it overrides this one).
+    """
+    monkeypatch.setenv("TANDEM_REPORT_DIR", str(tmp_path_factory.mktemp("reports")))

@@ -187,3 +187,37 @@ def refused(fn, *args) -> str | None:
     except ValueError as e:
         return str(e)
     return None
+
+
+#: Token ids of :class:`Tied` are below this.
+VOCAB = 13
+
+
+class ScaledMLP(nn.Module):
+    """Three Linears (``mid`` wide: pick one the world sizes do not divide) and a root scale,
+    for the parity tests with torch's ``fully_shard`` (units ``inp``, ``mid``, ``out``)."""
+
+    def __init__(self, mid: int = 10) -> None:
+        super().__init__()
+        self.inp = nn.Linear(6, 10)
+        self.mid = nn.Linear(10, mid)
+        self.out = nn.Linear(mid, 3)
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.mid(torch.tanh(self.inp(x))))
+        return self.out(h) * self.scale
+
+
+class Tied(nn.Module):
+    """Embedding and output projection share one weight; ``mid`` is sharded on its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 8)
+        self.mid = nn.Linear(8, 8)
+        self.head = nn.Linear(8, VOCAB)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.mid(self.embed(tokens))))

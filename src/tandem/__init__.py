@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from tandem.parallel.comm_hooks import GradBucket
     from tandem.parallel.ddp import DistributedDataParallel, drop_zero_grads
     from tandem.parallel.dp import DataParallel
-    from tandem.parallel.fsdp import FullyShardedDataParallel
+    from tandem.parallel.fsdp import FullyShardedDataParallel, MixedPrecisionPolicy
     from tandem.parallel.join import join
     from tandem.parallel.zero import ShardedOptimizer
     from tandem.train.trainer import Trainer
@@ -29,6 +29,7 @@ _LAZY = {
     "DistributedDataParallel": ("tandem.parallel.ddp", "DistributedDataParallel"),
     "FullyShardedDataParallel": ("tandem.parallel.fsdp", "FullyShardedDataParallel"),
     "GradBucket": ("tandem.parallel.comm_hooks", "GradBucket"),
+    "MixedPrecisionPolicy": ("tandem.parallel.fsdp", "MixedPrecisionPolicy"),
     "ShardedOptimizer": ("tandem.parallel.zero", "ShardedOptimizer"),
     "Trainer": ("tandem.train.trainer", "Trainer"),
     "drop_zero_grads": ("tandem.parallel.ddp", "drop_zero_grads"),
@@ -42,9 +43,11 @@ __all__ = [
     "DistributedDataParallel",
     "FullyShardedDataParallel",
     "GradBucket",
+    "MixedPrecisionPolicy",
     "ShardedOptimizer",
     "Trainer",
     "World",
+    "checkpoint",
     "data",
     "drop_zero_grads",
     "groups",
@@ -60,7 +63,7 @@ __version__ = "0.1.0"
 
 
 # Submodules reachable as attributes after a bare `import tandem` (tandem.groups.partition(...)).
-_SUBMODULES = ("data", "groups", "metrics")
+_SUBMODULES = ("checkpoint", "data", "groups", "metrics")
 
 
 def __getattr__(name: str) -> Any:

@@ -21,6 +21,7 @@ from tandem.init_args import (
     export_master,
     store_address,
 )
+from tandem.launch import meeting
 from tandem.launch.env import (
     LOCAL_RANK_VARIABLE,
     Placement,
@@ -256,6 +257,7 @@ def shutdown() -> None:
         _meet_before_teardown(dist)
         dist.destroy_process_group()
     _current, _owns_group = None, False
+    meeting.joined = None  # its store goes with the group
 
 
 def _meet_before_teardown(dist: Any) -> None:

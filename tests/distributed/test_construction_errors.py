@@ -196,9 +196,12 @@ def test_units_that_differ_raise_on_every_rank(other):
         if other == "refused" and rank == 1:  # its own mistake, as in one process
             assert message.startswith("auto_wrap='Linear'"), message
             continue
-        assert message.startswith("tandem.FullyShardedDataParallel: the units differ"), message
+        assert message.startswith("tandem.FullyShardedDataParallel: the unit layout differs"), (
+            message
+        )
         assert message.endswith(
-            "Pass the same auto_wrap on every rank (the units decide the collectives)"
+            "Pass the same auto_wrap and mixed_precision on every rank (they decide the "
+            "collectives)"
         ), message
         if other == "none":
             assert (

@@ -47,6 +47,9 @@ from tests.fsdp_models import (
     FSDP,
     OPTIMIZERS,
     PER_RANK,
+    VOCAB,
+    ScaledMLP,
+    Tied,
     batch,
     gathered_tensors,
     mse,
@@ -60,37 +63,10 @@ except ImportError:
     pytest.skip("this torch has no FSDP2 (fully_shard)", allow_module_level=True)
 
 STEPS = 12
-VOCAB = 13
 EPS = torch.finfo(torch.float32).eps
 
 
-class MLP(nn.Module):
-    """Three Linears (widths no world size here divides evenly) and a root scale."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.inp = nn.Linear(6, 10)
-        self.mid = nn.Linear(10, 10)
-        self.out = nn.Linear(10, 3)
-        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 3))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.tanh(self.mid(torch.tanh(self.inp(x))))
-        return self.out(h) * self.scale
-
-
-class Tied(nn.Module):
-    """Embedding and output projection share one weight; ``mid`` is sharded on its own."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, 8)
-        self.mid = nn.Linear(8, 8)
-        self.head = nn.Linear(8, VOCAB)
-        self.head.weight = self.embed.weight
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.tanh(self.mid(self.embed(tokens))))
+MLP = ScaledMLP  # widths no world size here divides evenly
 
 
 def _tokens(step: int, rank: int, ws: int):

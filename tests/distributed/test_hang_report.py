@@ -4,12 +4,14 @@ Real processes: rank 1 sleeps in ``load_batch`` (a slow disk, a stuck loader) wh
 first in the user's own ``dist.all_reduce``, then in tandem.DDP's bucket all-reduce. With the
 report threshold set to 1.5 s, rank 0 reports within seconds: "rank 1 never entered
 all_reduce #N", where rank 1 is (this file, ``load_batch``) and its stack; the report is printed
-once and written as JSON. The job is not stopped: when rank 1 wakes, both finish.
+once and written as JSON. The job is not stopped: when rank 1 wakes, both finish. One doctor
+thread per process answers for the hang reports and for tandem.DDP's lockstep check alike.
 """
 
 from __future__ import annotations
 
 import json
+import threading
 import time
 from pathlib import Path
 
@@ -45,7 +47,8 @@ def _hung_peer(kind: str) -> dict:
             if rank == 1 and step == 1:
                 load_batch()
             F.cross_entropy(model(x), y).backward()
-    return {"reports": list(hang.Reporter.reports)}
+    threads = [t.name for t in threading.enumerate()]
+    return {"reports": list(hang.Reporter.reports), "threads": threads}
 
 
 def _check(tmp_path: Path, kind: str, capfd) -> None:
@@ -54,6 +57,9 @@ def _check(tmp_path: Path, kind: str, capfd) -> None:
     first, second = run_ranks(_hung_peer, 2, args=(kind,), env=env, timeout=90)
     assert time.monotonic() - start < 60  # the job went on and finished once rank 1 woke
     assert second["reports"] == []  # rank 1 never waited long in a collective
+    for result in (first, second):
+        doctors = [n for n in result["threads"] if n in ("tandem-doctor", "tandem-lockstep")]
+        assert doctors == ["tandem-doctor"], result["threads"]
     (report,) = first["reports"]
     laggards = report["laggards"]
     op = "all_reduce #" if kind == "user" else "broadcast #7"

@@ -7,19 +7,25 @@
   dtypes) is the same; a subgroup counts on its own.
 - Blocking calls have ended when they return; an asynchronous one once its work is done.
 - The ring keeps the newest ``CAPACITY`` records; ``uninstall`` gives torch its functions back.
+- On Gloo a blocking collective, and ``records.wait`` on an asynchronous one, wait in slices: a
+  failure set meanwhile (``records.fail``, what the doctor calls on a mismatch) is raised in the
+  waiting thread within a second, while the peer has not even arrived.
 """
 
 from __future__ import annotations
 
 import inspect
+import threading
+import time
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 import tandem
-from tandem.doctor import records
+from tandem.doctor import mismatch, records
 from tests.harness import run_ranks
 
 
@@ -83,3 +89,42 @@ def test_ring_keeps_the_newest_and_uninstall_restores_torch():
     assert result["kept"] == records.CAPACITY
     assert result["last"] - result["first"] == records.CAPACITY - 1
     assert result["module"] == "torch.distributed.distributed_c10d", result
+
+
+def _interrupted(how: str) -> dict:
+    tandem.init(timeout=30)
+    mismatch.before_raise = None  # no doctor to wait for: this test fails the rank by hand
+    store = dist.distributed_c10d._get_default_store()
+    if dist.get_rank() == 1:
+        time.sleep(4)  # arrives long after rank 0 was told
+        dist.all_reduce(torch.ones(2))  # meets rank 0's, which still runs
+        store.set("rank 1 done", "1")
+        return {}
+    threading.Timer(0.5, records.fail, args=("told while waiting",)).start()
+    start = time.monotonic()
+    try:
+        if how == "blocking":
+            dist.all_reduce(torch.ones(2))
+        else:
+            records.wait(dist.all_reduce(torch.ones(2), async_op=True))
+    except records.CollectiveMismatchError as e:
+        error = str(e)
+    after = time.monotonic() - start
+    blocked = dict(records.blocked)
+    issued = len(records.recent())
+    try:
+        dist.barrier()
+    except records.CollectiveMismatchError as e:
+        entry = str(e)
+    assert len(records.recent()) == issued  # refused at its entry: not even recorded
+    store.wait(["rank 1 done"])  # leaving earlier would fail rank 1's all-reduce
+    return {"error": error, "after": after, "blocked": len(blocked), "entry": entry}
+
+
+@pytest.mark.parametrize("how", ["blocking", "records.wait"])
+def test_a_failure_set_while_waiting_is_raised_in_the_waiting_thread(how):
+    first, _ = run_ranks(_interrupted, 2, args=(how,), init=None, timeout=60)
+    assert first["error"] == "told while waiting", first
+    assert first["after"] < 2, first  # the peer comes after 4 s; the timeout is 30 s
+    assert first["blocked"] == 0, first
+    assert first["entry"] == "told while waiting", first  # and the next collective at its entry

@@ -11,8 +11,8 @@ Proves:
   loss averaged over ranks, not rank 0's); the eval loss and accuracy on 11 samples (shards of
   6 and 5) equal one process's on the full set; every rank returns the same summary;
 - bad input fails on every rank, with the values: a run directory that cannot be created
-  (before training), a checkpoint from a run of another world size (both sizes named), and
-  bad arguments.
+  (before training), a checkpoint of a run with another seed (both seeds named; another world
+  size resumes: tests/distributed/test_resume_world_size.py), and bad arguments.
 """
 
 from __future__ import annotations
@@ -131,9 +131,9 @@ def test_two_ranks_wrap_in_ddp_and_report_what_one_process_computes(tmp_path):
     assert eval_accuracy == hits / len(eval_set)
 
 
-def _error(run_dir: str, resume: str | None) -> str:
+def _error(run_dir: str, resume: str | None, seed: int = 0) -> str:
     try:
-        _trainer(run_dir, resume=resume)
+        _trainer(run_dir, resume=resume, seed=seed)
     except ValueError as e:
         return str(e)
     raise AssertionError("no ValueError")
@@ -148,11 +148,11 @@ def test_unwritable_run_dir_fails_on_every_rank_before_training(tmp_path):
         assert f"run_dir '{run_dir}' cannot be written on rank 0" in message, message
 
 
-def test_resume_with_another_world_size_fails_on_every_rank(tmp_path):
-    _trainer(tmp_path, max_epochs=1).train()  # one process
-    messages = run_ranks(_error, 2, args=(str(tmp_path), "latest"), timeout=60)
+def test_resume_of_another_run_fails_on_every_rank(tmp_path):
+    _trainer(tmp_path, max_epochs=1).train()  # one process, seed 0
+    messages = run_ranks(_error, 2, args=(str(tmp_path), "latest", 1), timeout=60)
     for message in messages:
-        assert "written by a run of 1 process(es); this run has 2" in message, message
+        assert "sampler state has seed=0 but this sampler has seed=1" in message, message
         assert str(list_checkpoints(tmp_path)[-1]) in message, message
 
 

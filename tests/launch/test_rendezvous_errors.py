@@ -122,6 +122,26 @@ def test_a_rank_registered_twice_is_named_with_both_pids():
         assert all(pid in text for pid in pids), text
 
 
+def test_a_duplicate_that_comes_after_the_job_formed_stops_the_job():
+    """Ranks 0 and 1 have formed and train; a second rank 1 comes: it raises, and the two
+    that formed raise the same RendezvousError at their next collective (the doctor's fatal
+    key), instead of training on as if nothing were wrong."""
+    port = free_port()
+    formed = [_start(0, 2, port, HOLD="30"), _start(1, 2, port, HOLD="30")]
+    for p in formed:
+        assert p.stdout is not None
+        assert p.stdout.readline().strip() == "formed"
+    started = time.monotonic()
+    late = _start(1, 2, port)
+    results = _finish([late, *formed])
+    assert time.monotonic() - started < 15, results
+    assert results[0][0] == 3 and "rank 1 checked in twice: pids" in results[0][1], results[0]
+    for code, text in results[1:]:
+        assert code != 0, text
+        assert "RendezvousError: rank 1 checked in twice: pids" in text, text
+        assert f"{late.pid}" in text and "ok " not in text, text
+
+
 @pytest.mark.parametrize("reply", [b"", b"HTTP/1.0 400 Bad Request\r\n\r\n"])
 def test_a_foreign_program_on_the_port_fails_every_rank(reply):
     """Rank 0 cannot listen; rank 1 reaches the foreign program, which never answers as a

@@ -339,9 +339,11 @@ def test_launcher_does_not_import_torch():
     assert out.stdout.strip() == "False"
 
 
-def test_a_timed_out_collective_ends_with_the_hang_report():
+def test_a_timed_out_collective_ends_with_the_hang_report(monkeypatch):
     # Rank 1 never reaches the all-reduce; rank 0 reports after 2 s, its collective times out
-    # after 10 s, and the launcher's exit summary carries the report.
+    # after 10 s, and the launcher's exit summary carries the report (from the launcher's own
+    # temporary report directory: no TANDEM_REPORT_DIR, as for a user).
+    monkeypatch.delenv("TANDEM_REPORT_DIR")
     worker = str(Path(__file__).with_name("hang_worker.py"))
     result = tandem_run("--nproc-per-node", "2", worker, timeout=90)
     assert result.returncode != 0

@@ -5,7 +5,10 @@
   states and loss sums under ``"ranks"``.
 - A checkpoint of the earlier layout (RNG, sampler and history at the top level) resumes to the
   same end, bit for bit, as the same checkpoint in today's layout.
-- The run state refuses, naming both values, a resume that cannot continue the run.
+- The run state refuses, naming both values, a resume that cannot continue the run; at another
+  world size it continues the epoch where the saved ranks stood (the sampler's offset and the
+  loop's batch count), adds the loss sums up on rank 0, continues the saved ranks' generators
+  and derives those of new ranks reproducibly.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from torch.utils.data import TensorDataset
 
 from tandem.data.sampler import DistributedSampler
 from tandem.train.checkpoint import load_checkpoint, save_checkpoint
+from tandem.train.rng import capture_rng_state
 from tandem.train.run_state import RunState
 from tandem.train.trainer import Trainer
 
@@ -75,14 +79,58 @@ def _untimed(history: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if not k.endswith("_s")} for r in history]
 
 
-def test_run_state_refuses_another_world_size_and_a_mid_epoch_batch_change():
+def test_run_state_refuses_a_mid_epoch_batch_change_at_the_same_world_size():
     sampler = DistributedSampler(range(40), num_replicas=2, rank=0)
     saved = RunState(sampler, world_size=2, batch_size=4, grad_accum_steps=1)
     saved.batch = 3
     state = saved.state_dict()
-    other = RunState(sampler, world_size=3, batch_size=4, grad_accum_steps=1)
-    with pytest.raises(ValueError, match=r"run of 2 process\(es\); this run has 3"):
-        other.load_state_dict(state)
     smaller = RunState(sampler, world_size=2, batch_size=2, grad_accum_steps=1)
     with pytest.raises(ValueError, match="mid-epoch with batch_size=4; this run has batch_size=2"):
         smaller.load_state_dict(state)
+
+
+def test_run_state_maps_onto_another_world_size():
+    saved = RunState(
+        DistributedSampler(range(40), num_replicas=2, rank=0, seed=3),
+        world_size=2, batch_size=4, grad_accum_steps=2,
+    )  # fmt: skip
+    saved.batch, saved.step = 3, 2  # 12 of each rank's 20 samples trained on
+    state = saved.state_dict()
+    ranks = [
+        {"rng": capture_rng_state(), "epoch_loss": [1.5, 12]},
+        {"rng": capture_rng_state(), "epoch_loss": [2.5, 12]},
+    ]
+
+    runs = []
+    for rank in range(3):
+        run = RunState(
+            DistributedSampler(range(40), num_replicas=3, rank=rank, seed=3),
+            world_size=3, batch_size=2, grad_accum_steps=1,
+        )  # fmt: skip
+        run.load_state_dict(state)  # another batch size and accumulation are fine here
+        run.load_rank_state_dicts(ranks, rank)
+        runs.append(run)
+    for run in runs:
+        # 16 samples left, 6 per rank in 3 batches of 2; 7 batches in a whole epoch of 3 ranks.
+        assert (run.step, run.batch, run.dealt_from, run.offset) == (2, 4, 4, 24)
+        assert run.saved_world_size == 2
+        assert run.state_dict()["sampler"]["position"] == 0
+    assert [run.epoch_loss for run in runs] == [[4.0, 24], [0.0, 0], [0.0, 0]]
+
+    # Ranks 0 and 1 continue their saved generators, rank 2 derives its own, reproducibly.
+    torch.manual_seed(123)
+    runs[1].restore_rng()
+    assert torch.equal(torch.get_rng_state(), ranks[1]["rng"]["torch"])
+    draws = []
+    for _ in range(2):
+        again = RunState(
+            DistributedSampler(range(40), num_replicas=3, rank=2, seed=3),
+            world_size=3, batch_size=2, grad_accum_steps=1,
+        )  # fmt: skip
+        again.load_state_dict(state)
+        again.load_rank_state_dicts(ranks, 2)
+        again.restore_rng()
+        draws.append(torch.rand(3))
+    assert torch.equal(draws[0], draws[1])
+    runs[0].restore_rng()
+    assert not torch.equal(torch.rand(3), draws[0])

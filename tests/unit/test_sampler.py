@@ -213,7 +213,6 @@ def test_bad_arguments_name_their_values(args: dict, values: list[str]) -> None:
     ("field", "value"),
     [
         ("dataset_len", 11),
-        ("num_replicas", 3),
         ("seed", 99),
         ("shuffle", False),
         ("drop_last", True),

@@ -52,11 +52,11 @@ def test_progress_without_tqdm_prints_lines(monkeypatch, capsys):
     _hide(monkeypatch, "tqdm")
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
     with pytest.warns(UserWarning, match=r'pip install "tandem\[progress\]"'):
-        shown = progress_module.Progress(enabled=True, batches_left=4)
+        shown = progress_module.Progress(enabled=True, total_steps=2)
     monkeypatch.setattr(progress_module, "LOG_INTERVAL_S", 0.0)  # a line at every advance
     capsys.readouterr()
     shown.start_epoch(epoch=1, max_epochs=1, batches=4, done=0)
-    shown.advance(4, loss=0.5, samples_per_s=100.0)
-    shown.end_epoch()
+    shown.advance(2, batch=4, loss=0.5, samples_per_s=100.0)
+    shown.close()
     err = capsys.readouterr().err
-    assert "epoch 1/1  batch 4/4  loss 0.5000  samples/s 100" in err, err
+    assert "step 2/2  epoch 1/1  batch 4/4  loss 0.5000  samples/s 100" in err, err

@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tandem.cli import lmdb, run, slurm
+from tandem.cli import export, lmdb, run, slurm
 from tandem.launch.rendezvous import LaunchError
 
 
@@ -29,6 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     run.register(subparsers)
     slurm.register(subparsers)
     lmdb.register(subparsers)
+    export.register(subparsers)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

@@ -19,6 +19,7 @@ import shutil
 import sys
 from pathlib import Path
 
+from tandem.doctor import trace
 from tandem.launch.rendezvous import (
     Coordinator,
     LaunchError,
@@ -62,6 +63,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         type=float,
         help="seconds a collective may block before a hang report (default 60)",
+    )
+    _flag(
+        p,
+        "trace",
+        default=None,
+        type=Path,
+        help="write every rank's timeline here, merged into DIR/trace.json (Chrome trace: "
+        "ui.perfetto.dev, chrome://tracing)",
     )
     _flag(p, "ranks", default=None, help="show only these global ranks' output, e.g. 0 or 0,3")
     _flag(p, "local-ranks-filter", default=None, help="torchrun's: show only these local ranks")
@@ -200,6 +209,9 @@ def run_command(args: argparse.Namespace) -> int:
         if not after > 0:
             raise ValueError(f"--hang-report-after must be > 0 seconds, got {after}")
         os.environ["TANDEM_HANG_REPORT_AFTER"] = str(after)  # the workers inherit it
+    if args.trace is not None:
+        args.trace.mkdir(parents=True, exist_ok=True)
+        os.environ[trace.ENV] = str(args.trace.resolve())  # the workers inherit it
     spec, addr, port = build_spec(args)
     coordinator: Coordinator
     if spec.nnodes == 1:
@@ -207,4 +219,22 @@ def run_command(args: argparse.Namespace) -> int:
     else:
         port = port or DEFAULT_MULTINODE_PORT
         coordinator = StoreCoordinator(spec.nnodes, spec.node_rank, addr, port, args.rdzv_timeout)
-    return Supervisor(spec, coordinator).run()
+    code = Supervisor(spec, coordinator).run()
+    if args.trace is not None:
+        _merge_trace(args.trace, spec)
+    return code
+
+
+def _merge_trace(directory: Path, spec: LaunchSpec) -> None:
+    """One trace of this node's ranks (of this run) in ``directory``, and where it is."""
+    name = "trace.json" if spec.nnodes == 1 else f"trace-node{spec.node_rank}.json"
+    try:
+        path = trace.merge(directory, run_id=spec.run_id, name=name)
+    except FileNotFoundError:
+        print(f"tandem run: no rank wrote a trace into {directory}", file=sys.stderr)
+        return
+    print(
+        f"tandem run: the trace of every rank is {path} (open it in ui.perfetto.dev or "
+        "chrome://tracing)",
+        file=sys.stderr,
+    )

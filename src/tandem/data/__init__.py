@@ -17,6 +17,7 @@ _LAZY = {
     "convert_to_lmdb": "tandem.data.lmdb",
     "stage_local": "tandem.data.staging",
     "BroadcastLoader": "tandem.data.broadcast",
+    "StatefulLoader": "tandem.data.stateful_loader",
 }
 
 __all__ = sorted(_LAZY)

@@ -1,18 +1,28 @@
-"""Hang reports: a rank stuck in a collective asks every rank where it is, and names the laggard.
+"""The doctor's thread: answers other ranks, and names a stuck, out-of-step or deadlocked rank.
 
-Each process runs one reporter thread (started with the records, see ``records.install``).
-Every half second it:
+Each process runs one reporter thread (started with the records, see ``tandem.doctor.start``);
+it is also the thread that answers for tandem.DDP's lockstep check (``parallel.lockstep`` adds
+its part to the answers and its step to the polls). Every half second it:
 
 1. answers the questions other ranks put in the rendezvous store (so it works across nodes,
-   under ``tandem run``, torchrun or a hand-made environment): its newest collectives, the one
-   its main thread is blocked in and since when, and the Python stacks of all its threads;
-2. checks its own main thread: blocked in a collective for longer than ``report_after`` seconds
+   under ``tandem run``, torchrun or a hand-made environment): its newest and open collectives,
+   the one its main thread is blocked in and since when, and the Python stacks of its threads;
+2. takes a mismatch another rank found (the store's ``fatal`` key): from then on this process's
+   collectives raise ``CollectiveMismatchError`` (``tandem.doctor.mismatch``);
+3. checks its own main thread. Blocked in a collective for ``DESYNC_CHECK_S`` (5 s), it compares
+   that collective across ranks: if the ranks' differ (op, shapes, dtypes), every rank raises
+   the error naming both sides, within a second (Gloo's waits are sliced for this, see
+   ``records.wait``; a size mismatch that makes Gloo abort is held for this check, see
+   ``tandem.doctor.aborts``). Blocked for longer than ``report_after`` seconds
    (``tandem.init(hang_report_after=...)``, ``tandem run --hang-report-after``, or the
-   ``TANDEM_HANG_REPORT_AFTER`` environment variable; default 60), it asks every rank, builds one
-   report that names the laggards first, prints it (the lowest rank that waits prints, once per
-   hang) and writes it as JSON (``TANDEM_REPORT_DIR``, default the working directory).
+   ``TANDEM_HANG_REPORT_AFTER`` environment variable; default 60), it asks every rank and builds
+   one report that names the laggards first, prints it (the lowest rank that waits prints, once
+   per hang) and writes it as JSON (``TANDEM_REPORT_DIR``, default the working directory);
+4. on the lowest rank: when no rank is in a collective and none has started or finished one for
+   ``report_after`` seconds (after at least one), every rank waits on something else: one report
+   gives each rank's line and stacks, once per quiet period.
 
-The report does not stop the job: the collective's timeout still does. Example of what it says::
+A hang report does not stop the job: the collective's timeout still does. Example::
 
     tandem: rank 0 has waited 61 s in all_reduce #57 (DDP bucket 0, step 12) of world
       rank 1 never entered all_reduce #57: its newest is all_reduce #56 (DDP bucket 0,
@@ -26,28 +36,31 @@ import atexit
 import contextlib
 import json
 import logging
+import math
 import os
 import socket
 import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, ClassVar
 
 import torch.distributed as dist
 
-from tandem.doctor import records
+from tandem.doctor import aborts, mismatch, records, reports
+from tandem.launch import meeting
 
 log = logging.getLogger(__name__)
 
 DEFAULT_AFTER_S = 60.0
 # A collective blocked this long is compared across ranks (op, shapes, dtypes): cheap, and a
-# mismatch is reported without waiting for the hang threshold.
+# mismatch raises on every rank without waiting for the hang threshold.
 DESYNC_CHECK_S = 5.0
 _POLL_S = 0.5
-_ANSWER_WITHIN_S = 5.0
+# How long a rank that raises a mismatch waits for every rank to have taken it.
+_TAKEN_WITHIN_S = 3.0
 
 
 def report_after() -> float:
@@ -60,13 +73,30 @@ def report_after() -> float:
 
 
 class Reporter:
-    """The one reporter thread of this process (see the module doc)."""
+    """The one doctor thread of this process (see the module doc)."""
 
     _thread: threading.Thread | None = None
     _store: Any = None
+    _base: Any = None
+    _rank = 0
+    _world = 1
+    _main: int | None = None
     _stop = threading.Event()
+    _wake = threading.Event()
+    _answering = threading.Lock()
+    _answered = 0
     # The reports this process built, newest last (for an exit summary, and tests).
     reports: ClassVar[list[dict[str, Any]]] = []
+    #: More to tell the peers: name -> a function whose result joins every answer.
+    sections: ClassVar[dict[str, Callable[[], Any]]] = {}
+    #: Called on every poll with the doctor's store (lockstep takes its verdicts there).
+    hooks: ClassVar[dict[str, Callable[[Any], None]]] = {}
+    #: Whether the answers show a mismatch that another check names better (lockstep: the
+    #: ranks ran different numbers of DDP steps); it is then left to that check for a while.
+    deferrals: ClassVar[dict[str, Callable[[dict[int, dict[str, Any]]], bool]]] = {}
+    #: A collective of this process can never complete: the exit is made immediate (the
+    #: backend would wait for that collective while the interpreter tears down).
+    stuck = False
 
     @classmethod
     def start(cls) -> None:
@@ -82,73 +112,88 @@ class Reporter:
         cls._store = dist.PrefixStore("tandem/doctor/", base)
         cls._rank, cls._world = dist.get_rank(), dist.get_world_size()
         cls._main = threading.main_thread().ident
+        aborts.install(cls._wake.set)
+        mismatch.before_raise = _until_everyone_took_it
         cls._thread = threading.Thread(
             target=cls._run, args=(cls._store,), name="tandem-doctor", daemon=True
         )
         cls._thread.start()
 
-    _base: Any = None
-    _rank = 0
-    _world = 1
-    _main: int | None = None
-
-    _answered = 0
-
     @classmethod
     def _exiting(cls) -> None:
+        if cls.stuck or (mismatch.failed is not None and records.open_records()):
+            # The error has been printed; tearing the process group down would hang on the
+            # collective that never completes.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
+        aborts.uninstall()
+        # Peers that ask from now on read this instead (tandem.DDP names a rank that left).
+        with contextlib.suppress(Exception):
+            cls._store.set(f"exit/{cls._rank}", json.dumps(cls.state(exited=True)))
         # Never inside a store call while the interpreter tears down: a C++ thread dropping
         # Python objects then aborts the process.
         cls._stop.set()
+        cls._wake.set()
         if cls._thread is not None:
             cls._thread.join(timeout=2 * _POLL_S)
 
     @classmethod
     def _run(cls, store: Any) -> None:
         cls._answered = 0
-        checked: records.Record | None = None  # compared across ranks (the cheap check)
-        reported: records.Record | None = None
+        watch = _Watch()
         try:
-            while not cls._stop.wait(_POLL_S) and store is cls._store and dist.is_initialized():
-                cls._answer(store)
-                stuck = records.blocked.get(cls._main) if cls._main is not None else None
-                if stuck is None or stuck is reported:
-                    continue
-                waited, after = time.time() - stuck.start, report_after()
-                full = waited >= after
-                if not full and (stuck is checked or waited < min(DESYNC_CHECK_S, after)):
-                    continue
-                # A few seconds in: do the ranks' collectives even match? Reported at once if
-                # not (a mismatched op hangs Gloo); the full report waits for the threshold.
-                checked = stuck
+            while store is cls._store and dist.is_initialized():
+                cls._wake.wait(_POLL_S)
+                cls._wake.clear()
+                if cls._stop.is_set() or store is not cls._store:
+                    return
+                cls._poll(store)
+                for hook in list(cls.hooks.values()):
+                    hook(store)
                 try:
-                    if cls._survey(store, stuck, only_if_mismatched=not full):
-                        reported = stuck
+                    if aborts.aborting.is_set():
+                        watch.abort(cls, store)
+                    watch.main_thread(cls, store)
+                    if cls._rank == 0:
+                        watch.quiet(cls)
                 except (ValueError, TypeError, KeyError) as e:  # a bug of ours: say so
-                    reported = stuck
-                    log.warning("tandem: the hang report failed: %r", e)
+                    log.warning("tandem: the doctor's check failed: %r", e)
         except Exception:  # the store went away with the job: nothing left to report
             return
 
     @classmethod
-    def _answer(cls, store: Any) -> None:
-        """Answer every question asked since the last answer (its own included: harmless)."""
-        cls._answered = answer_queries(store, cls._answered, cls._rank, cls.state)
+    def _poll(cls, store: Any) -> None:
+        """Answer every question asked since the last answer (its own included: harmless), and
+        take a mismatch another rank found."""
+        with cls._answering:
+            cls._answered = answer_queries(store, cls._answered, cls._rank, cls.state)
+        if mismatch.failed is None and store.check(["fatal"]):
+            _take(store, store.get("fatal").decode())
+        if mismatch.failed is None and (note := meeting.fatal_note()) is not None:
+            _take(store, note, meeting.RendezvousError)  # a late duplicate RANK: stop the job
 
     @classmethod
-    def state(cls) -> dict[str, Any]:
-        """Where this process stands: newest collectives, what it is blocked in, its stacks."""
+    def state(cls, exited: bool = False) -> dict[str, Any]:
+        """Where this process stands: its collectives, what it is blocked in, its stacks."""
         stuck = records.blocked.get(cls._main) if cls._main is not None else None
         newest: dict[str, dict[str, Any]] = {}
-        for record in records.recent(64):
+        recent = records.recent(64)
+        for record in recent:
             newest[record.group] = record.as_dict()
         frames = sys._current_frames()
         main = frames.get(cls._main) if cls._main is not None else None
-        return {
+        quiet = _quiet_s(recent[-16:])
+        state = {
             "rank": cls._rank,
             "host": socket.gethostname(),
             "pid": os.getpid(),
+            "exited": exited,
             "blocked": stuck.as_dict() if stuck is not None else None,
             "newest": newest,  # per group: its newest record
+            "open": [r.as_dict() for r in recent if not r.poll()][:16],
+            "last": recent[-1].as_dict() if recent else None,
+            "quiet_s": quiet,
             "where": records.user_line(main),
             "stacks": {
                 thread.name: "".join(traceback.format_stack(frames[thread.ident]))
@@ -156,43 +201,153 @@ class Reporter:
                 if thread.ident in frames and not thread.name.startswith("tandem-")
             },
         }
+        for name, section in list(cls.sections.items()):
+            state[name] = section()
+        return state
 
     @classmethod
-    def _survey(cls, store: Any, stuck: records.Record, only_if_mismatched: bool) -> bool:
-        """Ask every rank, build the report; print and write it (True) unless only a mismatch
-        was to be reported and there is none (False)."""
-        query = int(store.add("queries", 1))
-        deadline = time.monotonic() + _ANSWER_WITHIN_S
-        answers: dict[int, dict[str, Any]] = {cls._rank: cls.state()}
-        while time.monotonic() < deadline and len(answers) < cls._world:
-            cls._answer(store)  # another rank may be asking at the same time
-            for r in range(cls._world):
-                key = f"answer/{query}/{r}"
-                if r not in answers and store.check([key]):
-                    answers[r] = json.loads(store.get(key))
-            time.sleep(0.05)
-        report = build_report(cls._rank, stuck, answers, cls._world)
-        if only_if_mismatched and not report["mismatched"]:
-            return False
+    def publish(
+        cls, report: dict[str, Any], name: str, claim: str | None = None, show: bool = True
+    ) -> None:
+        """Keep ``report``, print it (``show``, unless another rank won the store key ``claim``:
+        one rank prints what every rank found) and write it as JSON
+        ``tandem-hang-rank<r>-<name>.json`` in ``TANDEM_REPORT_DIR`` (where ``tandem run`` looks
+        for its exit summary)."""
         cls.reports.append(report)
-        # One rank prints: the first to claim this hang (every waiting rank builds the same).
-        claim = store.compare_set(f"printed/{stuck.group}/{stuck.seq}", "", str(cls._rank))
-        if claim.decode() == str(cls._rank):
+        me = str(cls._rank)
+        if show and (claim is None or cls._store.compare_set(claim, "", me).decode() == me):
             print(report["text"], file=sys.stderr, flush=True)
         with contextlib.suppress(OSError):
             where = Path(os.environ.get("TANDEM_REPORT_DIR") or ".")
             where.mkdir(parents=True, exist_ok=True)
-            name = f"tandem-hang-rank{cls._rank}-{stuck.op}-{stuck.seq}.json"
-            path = where / name
-            path.write_text(json.dumps(report, indent=2))
-        return True
+            (where / f"tandem-hang-rank{cls._rank}-{name}.json").write_text(
+                json.dumps(report, indent=2)
+            )
+
+
+class _Watch:
+    """What the doctor thread has checked already (one per thread run)."""
+
+    def __init__(self) -> None:
+        self.checked: records.Record | None = None  # the main thread's collective, compared
+        self.check_at = 0.0  # ... when it has waited this long (inf: compared)
+        self.reported: records.Record | None = None
+        self.quiet_survey = 0.0  # time.monotonic() of the next deadlock survey
+        self.quiet_reported: Any = None
+
+    def main_thread(self, reporter: type[Reporter], store: Any) -> None:
+        """The main thread blocked in a collective: compare it, or report the hang."""
+        stuck = records.blocked.get(reporter._main) if reporter._main is not None else None
+        if stuck is None or stuck is self.reported:
+            return
+        waited, after = time.time() - stuck.start, report_after()
+        if stuck is not self.checked:
+            self.checked, self.check_at = stuck, min(DESYNC_CHECK_S, after)
+        if waited < min(self.check_at, after):
+            return
+        self.check_at = math.inf
+        answers = ask(range(reporter._world))
+        sides = reports.mismatched(stuck.as_dict(), answers)
+        deferred = any(defer(answers) for defer in list(Reporter.deferrals.values()))
+        if sides is not None and deferred and waited < 2 * DESYNC_CHECK_S:
+            self.check_at = waited + DESYNC_CHECK_S  # once, for the check that names it better
+            return
+        if sides is not None:
+            _fail_everywhere(store, stuck, sides)
+        if sides is not None or waited >= after:
+            self.reported = stuck
+            report = reports.hang_report(reporter._rank, stuck.as_dict(), answers, reporter._world)
+            # A mismatch is raised on every rank, with its message: not printed here too.
+            claim = f"printed/{stuck.group}/{stuck.seq}"
+            Reporter.publish(report, f"{stuck.op}-{stuck.seq}", claim, show=sides is None)
+
+    def abort(self, reporter: type[Reporter], store: Any) -> None:
+        """Gloo would abort this process: compare its open collectives across ranks now."""
+        aborts.aborting.clear()
+        stuck = records.blocked.get(reporter._main) if reporter._main is not None else None
+        if stuck is None:
+            stuck = next((r for r in records.open_records() if r.gloo), None)
+        sides = None
+        if stuck is not None:
+            sides = reports.mismatched(stuck.as_dict(), ask(range(reporter._world)))
+            if sides is not None:
+                _fail_everywhere(store, stuck, sides)
+        aborts.decide(sides is not None)
+
+    def quiet(self, reporter: type[Reporter]) -> None:
+        """No rank in a collective, none issued one for ``report_after``: say where each is."""
+        quiet, after = _quiet_s(records.recent(16)), report_after()
+        if quiet is None or quiet < after or time.monotonic() < self.quiet_survey:
+            return
+        self.quiet_survey = time.monotonic() + max(1.0, after / 2)
+        answers = ask(range(reporter._world))
+        if len(answers) < reporter._world or any(
+            a["exited"] or a["quiet_s"] is None or a["quiet_s"] < after for a in answers.values()
+        ):
+            return
+        period = [answers[r]["last"]["start"] for r in range(reporter._world)]
+        if period != self.quiet_reported:  # once per quiet period
+            self.quiet_reported = period
+            report = reports.deadlock_report(answers, reporter._world)
+            Reporter.publish(report, f"deadlock-{int(time.time())}")
+
+
+def _fail_everywhere(store: Any, stuck: records.Record, sides: dict[int, dict[str, Any]]) -> None:
+    """Every rank raises the mismatch: the first finder's words, through the store."""
+    text = mismatch.message(stuck.group, stuck.seq, sides)
+    _take(store, store.compare_set("fatal", "", text).decode())
+
+
+def _take(store: Any, text: str, kind: type[RuntimeError] | None = None) -> None:
+    mismatch.fail(text, kind)
+    store.set(f"taken/{Reporter._rank}", "1")
+
+
+def _until_everyone_took_it() -> None:
+    """Before this rank raises the mismatch (and may exit), until every rank has it: a peer
+    whose collective failed first ("Connection reset by peer") would name nothing, and the
+    store goes with rank 0."""
+    keys = [f"taken/{r}" for r in range(Reporter._world)]
+    deadline = time.monotonic() + _TAKEN_WITHIN_S
+    with contextlib.suppress(Exception):  # the store gone: nobody is left to tell
+        while time.monotonic() < deadline and not Reporter._store.check(keys):
+            time.sleep(0.05)
+
+
+def ask(ranks: Iterable[int], within_s: float = reports.ANSWER_WITHIN_S) -> dict[int, Any]:
+    """Every rank's answer (``Reporter.state()``) among ``ranks``, through the store; a rank
+    that exited gives its last one (``exited``), one that does not answer within ``within_s``
+    is left out. Raises RuntimeError when the store is gone (its host, rank 0, has exited).
+
+    Example::
+
+        where = {r: a["where"] for r, a in hang.ask(range(world)).items()}
+    """
+    store = Reporter._store
+    if store is None:
+        return {}
+    ranks = list(ranks)
+    wanted = [r for r in ranks if r != Reporter._rank]
+    answers = {Reporter._rank: Reporter.state()} if len(wanted) < len(ranks) else {}
+    query = int(store.add("queries", 1))
+    deadline = time.monotonic() + within_s
+    while wanted and time.monotonic() < deadline:
+        Reporter._poll(store)  # another rank may be asking this thread at the same time
+        for r in list(wanted):
+            for key in (f"exit/{r}", f"answer/{query}/{r}"):
+                if store.check([key]):
+                    answers[r] = json.loads(store.get(key))
+                    wanted.remove(r)
+                    break
+        time.sleep(0.05)
+    return answers
 
 
 def answer_queries(store: Any, answered: int, rank: int, state: Callable[[], dict]) -> int:
     """Answer the questions put in ``store`` since question ``answered``; the last one answered.
 
-    The protocol both this reporter and tandem.DDP's lockstep survey use: an asker increments
-    ``queries`` and reads ``answer/<query>/<rank>`` from every rank.
+    The protocol of :func:`ask`: an asker increments ``queries`` and reads
+    ``answer/<query>/<rank>`` from every rank.
     """
     asked = int(store.add("queries", 0))
     if asked > answered:
@@ -202,73 +357,9 @@ def answer_queries(store: Any, answered: int, rank: int, state: Callable[[], dic
     return max(asked, answered)
 
 
-def build_report(
-    rank: int, stuck: records.Record, answers: dict[int, dict[str, Any]], world: int
-) -> dict[str, Any]:
-    """The report of ``rank``, blocked in ``stuck``, from every rank's answer (laggards first)."""
-    waited = time.time() - stuck.start
-    lines = [f"tandem: rank {rank} has waited {waited:.0f} s in {stuck.describe()}"]
-    laggards, waiting, silent, mismatched = [], [], [], []
-    for r in range(world):
-        answer = answers.get(r)
-        if r == rank:
-            continue
-        if answer is None:
-            silent.append(r)
-            continue
-        newest = answer["newest"].get(stuck.group)
-        seq = newest["seq"] if newest is not None else 0
-        if seq < stuck.seq:
-            had = f"{_describe(newest)}" if newest is not None else "none in this group"
-            laggards.append(
-                f"  rank {r} never entered {stuck.op} #{stuck.seq}: its newest is {had}; "
-                f"it is at {answer['where']}"
-            )
-        elif seq == stuck.seq and _fingerprint(newest) != _fingerprint(stuck.as_dict()):
-            mismatched.append(
-                f"  rank {r} issued {_side(newest)} where rank {rank} issued "
-                f"{_side(stuck.as_dict())}: the ranks' collectives differ "
-                "(TANDEM_DEBUG=collectives checks every one before it is issued)"
-            )
-        elif answer["blocked"] is not None:
-            waiting.append(f"  rank {r} waits in {_describe(answer['blocked'])} too")
-        else:
-            waiting.append(f"  rank {r} has passed it; it is at {answer['where']}")
-    lines += mismatched
-    lines += laggards
-    lines += [f"  rank {r} did not answer within {_ANSWER_WITHIN_S:.0f} s" for r in silent]
-    lines += waiting
-    if laggards:
-        lines.append(
-            "The laggards' stacks follow; the job goes on until the collective's timeout stops it."
-        )
-    for r in range(world):
-        answer = answers.get(r)
-        if answer is not None and any(f"rank {r} never" in line for line in laggards):
-            for name, stack in answer["stacks"].items():
-                lines.append(f"--- rank {r} thread {name}:\n{stack.rstrip()}")
-    return {
-        "rank": rank,
-        "waited_s": waited,
-        "collective": stuck.as_dict(),
-        "laggards": [line.strip() for line in laggards],
-        "mismatched": [line.strip() for line in mismatched],
-        "silent": silent,
-        "ranks": answers,
-        "text": "\n".join(lines),
-    }
-
-
-def _describe(record: dict[str, Any]) -> str:
-    where = f" ({record['context']})" if record.get("context") else ""
-    return f"{record['op']} #{record['seq']}{where}"
-
-
-def _fingerprint(record: dict[str, Any]) -> tuple:
-    return (record["op"], json.dumps(record["shapes"]), json.dumps(record["dtypes"]))
-
-
-def _side(record: dict[str, Any]) -> str:
-    pairs = zip(record["shapes"], record["dtypes"], strict=True)
-    tensors = ", ".join(f"{t} {tuple(s)}" for s, t in pairs) or "no tensors"
-    return f"{record['op']} #{record['seq']} of {tensors} at {record['site']}"
+def _quiet_s(newest: list[records.Record]) -> float | None:
+    """Seconds since this process last started or finished a collective (of ``newest``); None
+    while one is open (a thread blocked in it, or asynchronous work not done) or before any."""
+    if records.blocked or not newest or not all(r.poll() for r in newest):
+        return None
+    return time.time() - max(r.end or r.start for r in newest)

@@ -8,6 +8,11 @@ bucket 3, step 12``, set with :func:`tagged`), the line of user code it came fro
 started and ended. A blocking call ends when it returns; an asynchronous one is marked ended the
 first time a later look (the next collective of its group, or a report) finds its work done.
 
+On Gloo a blocking collective is issued asynchronously and waited for in slices (:func:`wait`),
+so that an error the doctor finds while it waits (``mismatch.fail``: the ranks' collectives
+differ) is raised in the waiting thread within a second, instead of after the collective's
+timeout: a thread blocked in C++ cannot be interrupted otherwise. NCCL's waits stay plain.
+
 The cost is a few microseconds of Python per collective (``benchmarks/ddp_throughput.py``
 measures it against recording switched off).
 
@@ -24,9 +29,9 @@ from __future__ import annotations
 import collections
 import functools
 import inspect
-import json
 import os
 import sys
+import sysconfig
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -37,35 +42,42 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
+from tandem.doctor import mismatch, steps
+
+# Re-exported: the error and the calls that set and check it are part of the records' API.
+from tandem.doctor.mismatch import CollectiveMismatchError, fail, raise_if_failed  # noqa: F401
+
 #: Records kept per process (the oldest are dropped first).
 CAPACITY = 2048
 
 # The collectives recorded; the point-to-point ones count per group like the others.
 OPS = (
     "all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor",
-    "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "gather",
+    "all_gather_single", "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single",
+    "all_to_all", "all_to_all_single", "gather",
     "scatter", "barrier", "monitored_barrier", "broadcast_object_list", "all_gather_object",
     "gather_object", "scatter_object_list", "send", "recv", "isend", "irecv",
 )  # fmt: skip
 
 _INTERNAL = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))
+# Python's own library is not the user's line either (threading's waits, queue's gets), but the
+# packages installed under it are.
+_STDLIB = tuple({sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib")})
+_INSTALLED = tuple({sysconfig.get_paths()[k] for k in ("purelib", "platlib")})
 _POINT_TO_POINT = ("send", "recv", "isend", "irecv")
-# Collectives that every rank calls with the same shapes and dtypes (gather and scatter pass a
-# list on one rank only; all_to_all's splits may differ): strict mode compares those too.
-_SAME_SHAPES = (
-    "all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor",
-    "reduce_scatter", "reduce_scatter_tensor",
-)  # fmt: skip
+# Deprecated names that call the newer function (looked up in c10d at call time): recording
+# both would count each collective twice.
+_FORWARDS = {
+    "all_gather_into_tensor": "all_gather_single",
+    "reduce_scatter_tensor": "reduce_scatter_single",
+}
 
 #: ``TANDEM_DEBUG=collectives``: before every collective, the ranks of its group compare what
 #: they are about to issue (op, shapes, dtypes) through the store, and all raise
 #: :class:`CollectiveMismatchError` if they differ, instead of a Gloo abort, a wrong result or
-#: a hang. A round trip to the store per collective: for debugging. Read by :func:`install`.
+#: a hang (``tandem.doctor.mismatch``). A round trip to the store per collective: for debugging.
+#: Read by :func:`install`.
 strict = False
-
-
-class CollectiveMismatchError(RuntimeError):
-    """Ranks were about to issue different collectives at the same number in a group."""
 
 
 @dataclass(slots=True)
@@ -83,6 +95,7 @@ class Record:
     start: float  # time.time()
     end: float | None = None  # None: not known to have ended yet
     work: Any = field(default=None, repr=False, compare=False)  # an async op's, until done
+    gloo: bool = field(default=False, repr=False)  # its group's backend: waited for in slices
 
     def describe(self) -> str:
         """``all_reduce #57 (DDP bucket 0, step 12) of world``, for messages."""
@@ -122,16 +135,43 @@ class _State(threading.local):
 
 _ring: collections.deque[Record] = collections.deque(maxlen=CAPACITY)
 _seq: dict[Any, int] = {}
-_group_names: dict[Any, str] = {}
+_groups: dict[Any, tuple[str, bool]] = {}  # group key -> (its name, whether it is Gloo's)
 _dtype_names: dict[torch.dtype, str] = {}
 _internal_code: dict[Any, bool] = {}  # code object -> in torch or tandem (asked once per code)
 _lock = threading.Lock()
 _local = _State()
 _originals: dict[str, Callable[..., Any]] = {}
 # Thread ident -> the record of the collective it is blocked in (a blocking call, or a wait on
-# an asynchronous one that an engine announced with `waiting`).
+# an asynchronous one: `wait`, or one that an engine announced with `waiting`).
 blocked: dict[int, Record] = {}
 enabled = True  # switched off only to measure what recording costs
+# torch's "inside a coalescing manager" state: a blocking call there issues nothing, so it is
+# left as it is (its asynchronous form would return a Work that must not be waited for).
+_coalescing: dict[Any, Any] = getattr(getattr(c10d, "_world", None), "pg_coalesce_state", {})
+
+
+def wait(work: Any, record: Record | None = None) -> None:
+    """``work.wait()``, but on Gloo an error the doctor finds meanwhile is raised here.
+
+    On Gloo it blocks in slices of half a second and looks for :func:`fail`'s error between
+    them (``mismatch.wait_in_slices``); NCCL's is a plain wait. The collective's own error, its
+    timeout included, is raised as by the plain wait. ``record``: the collective's record
+    (looked up from ``work`` when None), which hang reports see the thread blocked in.
+
+    Example::
+
+        work = dist.all_reduce(flat, async_op=True)
+        ...                          # overlap
+        records.wait(work)           # instead of work.wait()
+    """
+    mismatch.raise_if_failed()
+    if record is None:
+        record = of(work)
+    if record is None or not record.gloo:
+        work.wait()
+        return
+    with waiting(record):
+        mismatch.wait_in_slices(work)
 
 
 class tagged:
@@ -207,7 +247,8 @@ def clear() -> None:
     with _lock:
         _ring.clear()
         _seq.clear()
-        _group_names.clear()
+        _groups.clear()
+    mismatch.reset()
 
 
 def install() -> None:
@@ -218,6 +259,8 @@ def install() -> None:
         original = getattr(c10d, name, None)
         if original is None or name in _originals:
             continue
+        if name in _FORWARDS and hasattr(c10d, _FORWARDS[name]):
+            continue  # torch >= 2.13: it calls the newer name, which is recorded
         _originals[name] = original
         wrapper = _recorded(name, original)
         setattr(c10d, name, wrapper)
@@ -243,19 +286,34 @@ def _recorded(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
     def call(*args: Any, **kwargs: Any) -> Any:
         if not enabled:
             return original(*args, **kwargs)
+        if mismatch.failed is not None:  # the group is broken: nothing more is issued on it
+            mismatch.raise_if_failed()
         group = kwargs.get("group")
         if group is None and group_at is not None and len(args) > group_at:
             group = args[group_at]
         record = _start(name, group, args, kwargs)
-        is_async = kwargs.get("async_op") or (async_at is not None and len(args) > async_at
-                                               and args[async_at])  # fmt: skip
+        if async_at is not None and len(args) > async_at:
+            is_async = args[async_at]
+            # Blocking on Gloo: issued asynchronously and waited for in slices (see `wait`).
+            sliced = record.gloo and not is_async and not _coalescing
+            if sliced:
+                args = (*args[:async_at], True, *args[async_at + 1 :])
+        else:
+            is_async = kwargs.get("async_op")
+            sliced = async_at is not None and record.gloo and not is_async and not _coalescing
+            if sliced:
+                kwargs["async_op"] = True
         me = threading.get_ident()
         if not is_async:
             blocked[me] = record  # inside until it returns: what a hang report looks at
         try:
             if strict and name not in _POINT_TO_POINT:
-                _check_everywhere(record, group)
+                mismatch.check_everywhere(record, group)
             result = original(*args, **kwargs)
+            if sliced and result is not None:  # None: this rank is not in the group
+                record.work = result  # until it is done, should the wait raise
+                mismatch.wait_in_slices(result)
+                record.work = result = None
         finally:
             if not is_async:
                 blocked.pop(me, None)
@@ -263,6 +321,8 @@ def _recorded(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
             record.work = result
         else:
             record.end = time.time()
+            if not is_async:  # the time this thread waited, for tandem run's exit summary
+                steps.blocked(record.end - record.start)
         return result
 
     return call
@@ -274,19 +334,20 @@ def _start(op: str, group: Any, args: tuple, kwargs: dict) -> Record:
     key = id(group) if group is not None else None
     with _lock:
         seq = _seq[key] = _seq.get(key, 0) + 1
-        name = _group_names.get(key)
-    if name is None:
-        name = _group_names[key] = _group_name(group)
+        known = _groups.get(key)
+    if known is None:
+        known = _groups[key] = (_group_name(group), _is_gloo(group))
     record = Record(
         seq=seq,
         op=op,
-        group=name,
+        group=known[0],
         shapes=tuple(tuple(t.shape) for t in tensors),
         dtypes=tuple(_dtype_name(t.dtype) for t in tensors),
         context=_local.context,
         site=_user_site(),
         thread=threading.current_thread().name,
         start=time.time(),
+        gloo=known[1],
     )
     with _lock:
         _ring.append(record)
@@ -308,6 +369,13 @@ def _tensors(values: tuple) -> Iterator[Any]:
             yield v
 
 
+def _is_gloo(group: Any) -> bool:
+    try:
+        return dist.get_backend(group) == "gloo"
+    except Exception:  # a group this rank is not in, or one already destroyed
+        return False
+
+
 def _group_name(group: Any) -> str:
     if group is None or group is c10d.GroupMember.WORLD:
         return "world"
@@ -318,60 +386,22 @@ def _group_name(group: Any) -> str:
 
 
 def _user_site() -> str:
-    """The innermost frame outside torch and tandem: the user's line that led here."""
+    """The innermost frame outside torch, tandem and Python: the user's line that led here."""
     return user_line(sys._getframe(3))
 
 
 def user_line(frame: Any) -> str:
     """``train.py:44 in step``: the innermost frame from ``frame`` out that is the user's
-    (outside torch and tandem); ``"?"`` if there is none."""
+    (outside torch, tandem and Python's standard library); ``"?"`` if there is none."""
     while frame is not None:
         code = frame.f_code
         internal = _internal_code.get(code)
         if internal is None:
-            internal = _internal_code[code] = code.co_filename.startswith(_INTERNAL)
+            name = code.co_filename
+            internal = _internal_code[code] = name.startswith(_INTERNAL) or (
+                name.startswith(_STDLIB) and not name.startswith(_INSTALLED)
+            )
         if not internal:
             return f"{os.path.basename(code.co_filename)}:{frame.f_lineno} in {code.co_name}"
         frame = frame.f_back
     return "?"
-
-
-_group_ranks: dict[Any, list[int]] = {}
-
-
-def _check_everywhere(record: Record, group: Any) -> None:
-    """Strict mode: every rank of ``group`` publishes ``record`` and compares all of them."""
-    key = id(group) if group is not None else None
-    ranks = _group_ranks.get(key)
-    if ranks is None:
-        ranks = _group_ranks[key] = (
-            list(range(dist.get_world_size())) if group is None
-            else dist.get_process_group_ranks(group)
-        )  # fmt: skip
-    store = dist.PrefixStore("tandem/strict/", c10d._get_default_store())
-    mine = {"op": record.op, "shapes": record.shapes, "dtypes": record.dtypes, "site": record.site}
-    prefix = f"{record.group}/{record.seq}/"
-    store.set(prefix + str(dist.get_rank()), json.dumps(mine))
-    keys = [prefix + str(r) for r in ranks]
-    store.wait(keys)  # a rank that never comes is a hang: the hang report names it
-    everyone = {r: json.loads(v) for r, v in zip(ranks, store.multi_get(keys), strict=True)}
-    compared = ("op", "shapes", "dtypes") if record.op in _SAME_SHAPES else ("op",)
-
-    def what(d: dict) -> tuple:
-        return tuple(json.dumps(d[k]) for k in compared)
-
-    if len({what(d) for d in everyone.values()}) == 1:
-        return
-    sides = "; ".join(f"rank {r}: {_side(d)}" for r, d in everyone.items())
-    raise CollectiveMismatchError(
-        f"collective #{record.seq} of {record.group} differs across ranks: {sides}. Every rank "
-        "must issue the same collectives, in the same order, with the same shapes and dtypes "
-        "(look for a collective under `if rank == ...`, or data-dependent shapes)"
-    )
-
-
-def _side(d: dict) -> str:
-    """``all_reduce of float32 (3,) at train.py:10 in main``: one rank's side of a mismatch."""
-    pairs = zip(d["shapes"], d["dtypes"], strict=True)
-    tensors = ", ".join(f"{t} {tuple(s)}" for s, t in pairs) or "no tensors"
-    return f"{d['op']} of {tensors} at {d['site']}"

@@ -19,7 +19,7 @@ launcher's agent store) and, before any process group exists, has every process 
 A one-node job's store (MASTER_ADDR on loopback) listens on loopback only, so no other host can
 read or write its keys. A process that checks in after the job has formed (a late duplicate)
 raises, and leaves a fatal note that the doctor of every other rank raises at its next
-collective (:data:`FATAL_KEY`).
+collective (:data:`FATAL_KEY`, :func:`fatal_note`).
 
 Example::
 
@@ -43,9 +43,12 @@ from tandem.launch.rendezvous import key_scope
 
 PREFIX = "tandem/rendezvous/"
 DEFAULT_TIMEOUT_S = 60.0
-#: Where a process that found the job broken after it formed leaves its message, relative to the
-#: process group's store; :mod:`tandem.doctor.hang` raises it on every rank.
-FATAL_KEY = "tandem/doctor/fatal"
+#: Where a process that found the job broken after it formed leaves its message, in the store
+#: the job met in. The doctor of every rank that met there (:data:`joined`) reads it
+#: (:func:`fatal_note`) and raises it as :class:`RendezvousError` at its next collective.
+FATAL_KEY = PREFIX + "fatal"
+#: The store this process met its job in (the last :func:`meet` that succeeded), or None.
+joined: Any = None
 _POLL_S = 0.01
 
 
@@ -120,7 +123,23 @@ def meet(
         base = _connect(host, port, deadline)
     _check_in(base, rank, world_size, deadline, timeout)
     base.set_timeout(store_timeout or dist.default_pg_timeout)
+    global joined
+    joined = base
     return base
+
+
+def fatal_note() -> str | None:
+    """What a process that came after this job formed found wrong (a duplicate RANK), or None.
+    One store lookup; None when this process did not meet its job here.
+
+    Example::
+
+        note = fatal_note()     # the doctor's thread, every half second
+    """
+    store = joined
+    if store is None or not store.check([FATAL_KEY]):
+        return None
+    return store.get(FATAL_KEY).decode()
 
 
 def announce(host: str, port: int, entry: dict[str, Any], seconds: float = 5.0) -> None:
@@ -355,7 +374,6 @@ def _who(entries: list[dict[str, Any]], label: str = "rank ") -> str:
 
 def _leave_fatal(store: Any, message: str) -> None:
     """Tell a job that formed without this late process why it must stop (see FATAL_KEY)."""
-    import torch.distributed as dist
 
     with contextlib.suppress(Exception):
-        dist.PrefixStore("default_pg", store).set(FATAL_KEY, message)
+        store.set(FATAL_KEY, message)

@@ -7,7 +7,8 @@ Per attempt:
    own (so its DataLoader workers are stopped with it) that dies with the launcher
    (PR_SET_PDEATHSIG: even a SIGKILLed launcher leaves no orphans).
 3. Watch: every line a worker prints is passed on prefixed ``[rank N]`` (and logged); the end
-   of its stderr is kept for the failure report.
+   of its stderr is kept for the failure report. On a terminal, rank 0's live progress bar
+   is relayed as it redraws, below the lines (``relay.py``).
 4. The first worker to exit non-zero, or to die by a signal, fails the attempt: the others get
    SIGTERM, then SIGKILL after a grace period, and the launcher says who failed, how, and what
    the worker last wrote. With restarts left, a new attempt starts with a new rendezvous.
@@ -32,15 +33,15 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
 
+from tandem.doctor import stragglers
 from tandem.launch.failures import Failure
+from tandem.launch.relay import CONSOLE_COLUMNS, CONSOLE_TTY, Console, console_env, relay
 from tandem.launch.rendezvous import Coordinator
 
 TAIL_LINES = 30
@@ -79,7 +80,14 @@ class LaunchSpec:
 class Worker:
     """One worker process, the threads relaying its output, and the tail of its stderr."""
 
-    def __init__(self, spec: LaunchSpec, local_rank: int, env: dict[str, str], log: Path | None):
+    def __init__(
+        self,
+        spec: LaunchSpec,
+        local_rank: int,
+        env: dict[str, str],
+        log: Path | None,
+        console: Console | None = None,
+    ):
         self.local_rank = local_rank
         self.rank = spec.global_rank(local_rank)
         self.tail: deque[str] = deque(maxlen=TAIL_LINES)
@@ -93,11 +101,12 @@ class Worker:
         )
         show = spec.show_ranks is None or self.rank in spec.show_ranks
         prefix = f"[rank {self.rank}] " if spec.prefix else ""
+        echo = prefix if show else None
+        # Rank 0's stderr carries its live bar when the console is a terminal (relay.py).
+        live = console is not None and self.rank == 0
         self.threads = [
-            _relay(self.proc.stdout, sys.stdout, prefix if show else None, log, "stdout", None),
-            _relay(
-                self.proc.stderr, sys.stderr, prefix if show else None, log, "stderr", self.tail
-            ),
+            relay(self.proc.stdout, sys.stdout, echo, log, "stdout", None, console),
+            relay(self.proc.stderr, sys.stderr, echo, log, "stderr", self.tail, console, live),
         ]
 
     def signal(self, signum: int) -> None:
@@ -125,6 +134,11 @@ class Supervisor:
         chosen = os.environ.get("TANDEM_REPORT_DIR") or spec.log_dir
         self.own_reports = chosen is None  # a temporary directory, removed at the end
         self.reports = Path(chosen if chosen is not None else tempfile.mkdtemp(prefix="tandem-"))
+        # A terminal behind the launcher, and rank 0's output shown here: rank 0 draws a bar.
+        shows_rank0 = spec.node_rank == 0 and (spec.show_ranks is None or 0 in spec.show_ranks)
+        self.console, self.console_env = (
+            console_env(len("[rank 0] ") if spec.prefix else 0) if shows_rank0 else (None, {})
+        )
 
     def run(self) -> int:
         previous = {s: signal.signal(s, self._on_signal) for s in FORWARDED}
@@ -132,6 +146,9 @@ class Supervisor:
             return self._attempts()
         finally:
             self._stop_all(signal.SIGKILL, grace=0)
+            steps = stragglers.summary(self.reports, self.spec.run_id)  # per rank; the slowest
+            if steps is not None:
+                _say(steps)
             if self.own_reports:
                 shutil.rmtree(self.reports, ignore_errors=True)
             for s, handler in previous.items():
@@ -145,11 +162,23 @@ class Supervisor:
             addr, port, extra = self.coordinator.begin(attempt)
             self._start(attempt, addr, port, extra)
             failure = self._watch(attempt)
+            ended = time.time()  # the signal or failure, within _watch's 20 ms poll
             if self.stop_signal is not None:
                 # The workers have the signal already; those still saving get the longer wait.
+                name = signal.Signals(self.stop_signal).name
                 self._wait_all(self.spec.term_timeout_s)
+                killed = [w.rank for w in self.workers if w.proc.poll() is None]
                 self._stop_all(signal.SIGKILL, 0)
-                _say(f"stopped by {signal.Signals(self.stop_signal).name}")
+                _say(f"stopped by {name}")
+                if killed:
+                    _say(
+                        f"rank(s) {killed} still running {self.spec.term_timeout_s:g} s after "
+                        f"{name} were killed: a checkpoint being written then is lost (give "
+                        "them longer with --term-timeout)"
+                    )
+                saved = committed_checkpoint(self.reports, self.spec.run_id, ended, name)
+                if saved is not None:
+                    _say(saved)
                 return 128 + self.stop_signal
             if failure is None:
                 failure = self.coordinator.finish(attempt)
@@ -161,12 +190,18 @@ class Supervisor:
             if report is not None:
                 _say(report)
         assert failure is not None
+        saved = committed_checkpoint(self.reports, self.spec.run_id, ended, "the failure")
+        if saved is not None:
+            _say(saved)
         return failure.exit_code()
 
     def _start(self, attempt: int, addr: str, port: int, extra: dict[str, str]) -> None:
         spec = self.spec
         base = dict(os.environ)
         base.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+        for name in (CONSOLE_TTY, CONSOLE_COLUMNS):  # a launcher's launcher's, not ours
+            base.pop(name, None)
+        base.update(self.console_env)
         base.update(extra)
         base.update(
             WORLD_SIZE=str(spec.world_size),
@@ -197,7 +232,7 @@ class Supervisor:
             if spec.log_dir is not None:
                 log = spec.log_dir / f"attempt_{attempt}" / f"rank_{rank}"
                 log.mkdir(parents=True, exist_ok=True)
-            self.workers.append(Worker(spec, local_rank, env, log))
+            self.workers.append(Worker(spec, local_rank, env, log, self.console))
 
     def _watch(self, attempt: int) -> Failure | None:
         """Until all workers succeed (None), one fails, another node fails, or a signal."""
@@ -264,43 +299,6 @@ def _in_own_group_dying_with_parent() -> None:
         _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def _relay(
-    pipe: IO[bytes] | None,
-    out: IO[str],
-    prefix: str | None,
-    log_dir: Path | None,
-    name: str,
-    tail: deque[str] | None,
-) -> threading.Thread:
-    def pump() -> None:
-        assert pipe is not None
-        echo = prefix is not None
-        log = open(log_dir / f"{name}.log", "w") if log_dir is not None else None  # noqa: SIM115
-        try:
-            for raw in iter(pipe.readline, b""):
-                line = raw.decode("utf-8", errors="replace").rstrip("\n")
-                if tail is not None:
-                    tail.append(line)
-                if log is not None:
-                    log.write(line + "\n")
-                    log.flush()
-                if echo:
-                    try:
-                        out.write(f"{prefix}{line}\n")
-                        out.flush()
-                    except (OSError, ValueError):
-                        # Our own output is gone (a closed pipe): keep draining the worker's,
-                        # or it blocks on a full pipe and the job hangs.
-                        echo = False
-        finally:
-            if log is not None:
-                log.close()
-
-    thread = threading.Thread(target=pump, daemon=True)
-    thread.start()
-    return thread
-
-
 def newest_hang_report(directory: Path, named: bool = True) -> str | None:
     """The text of the newest hang report a worker wrote in ``directory`` (None if none);
     ``named``: its file is kept, and named in the heading.
@@ -317,3 +315,38 @@ def newest_hang_report(directory: Path, named: bool = True) -> str | None:
             kept = f" ({path})" if named else ""
             return f"--- the newest hang report{kept} ---\n{text}\n---"
     return None
+
+
+def committed_checkpoint(directory: Path, run_id: str, when: float, event: str) -> str | None:
+    """The exit summary's line on the newest checkpoint the run ``run_id`` committed (None if
+    none): its path, step and epochs, how long before or after ``event`` (which happened at
+    ``when``, a ``time.time()``), and how to resume.
+
+    The Trainer's rank 0 notes each commit in ``directory`` (``TANDEM_REPORT_DIR``; see
+    ``tandem.train.checkpointer.report_commit``) as ``tandem-checkpoint-<run_id>.json``: the
+    launcher's run id, so a report directory shared with other jobs is no confusion.
+
+    Example::
+
+        line = committed_checkpoint(Path("logs"), spec.run_id, time.time(), "SIGTERM")
+        # 'checkpoint committed at runs/x/checkpoints/ckpt-e0003-s00001200.pt (step 1200,
+        #  3 epochs done) 2.1 s after SIGTERM (the save took 1.2 s); run the same command
+        #  again to resume from it (a Trainer with resume="latest")'
+    """
+    try:
+        note = json.loads((directory / f"tandem-checkpoint-{run_id}.json").read_text())
+        path, step, epoch = note["path"], note["step"], note["epoch"]
+        offset = float(note["committed"]) - when
+        took = float(note["committed"]) - float(note["started"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    # The launcher notices an event within its 20 ms poll: a commit a few ms "before" it is the
+    # event's own (a small model's SIGTERM checkpoint).
+    after = offset > -0.05
+    seconds = max(offset, 0.0) if after else -offset
+    ago = f"{seconds:.1f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
+    return (
+        f"checkpoint committed at {path} (step {step}, {epoch} epochs done) {ago} "
+        f"{'after' if after else 'before'} {event} (the save took {took:.1f} s); run the "
+        'same command again to resume from it (a Trainer with resume="latest")'
+    )

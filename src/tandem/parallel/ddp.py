@@ -25,9 +25,9 @@ from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from tandem._dist import group_size, require_process_group
-from tandem._profile import span
+from tandem._profile import backward_span, span
 from tandem._tree import map_tensors
-from tandem.doctor import records
+from tandem.doctor import records, steps
 from tandem.parallel.comm_hooks import CommHook
 from tandem.parallel.join import DDPJoinHook, common_rank, training_ranks
 from tandem.parallel.reducer import Reducer
@@ -121,6 +121,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             gradient_as_bucket_view=gradient_as_bucket_view,
             static_graph=static_graph,
         )
+        self._steps = steps.clock("tandem.DDP forwards", priority=1)  # for tandem run's summary
         if comm_hook is not None:
             self.register_comm_hook(process_group if comm_state is None else comm_state, comm_hook)
 
@@ -156,6 +157,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         announced = Join.notify_join_context(self)
         if training:
             self.reducer.progress.step += 1
+            self._steps.tick()
             self.reducer.check_previous_step()
             self.reducer.rebuild()
             self.sync_buffers(training=True)
@@ -168,6 +170,7 @@ class DistributedDataParallel(nn.Module, Joinable):
     @torch.compiler.disable
     def _after_forward(self, output: Any) -> None:
         self.reducer.prepare(output, sync=self.require_backward_grad_sync)
+        backward_span("tandem.ddp.backward", output)  # after the reducer's hooks: ends after it
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -239,7 +242,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         work = dist.all_reduce(t, group=self.process_group, async_op=True)
         if not joined:
             return True
-        work.wait()
+        records.wait(work)
         return t.item() != 0
 
     # -- torch's Joinable interface (tandem.join, torch.distributed.algorithms.Join) ----------

@@ -40,6 +40,7 @@ from tandem._dist import group_rank, group_size
 from tandem.parallel.ddp import DistributedDataParallel
 from tandem.parallel.dp import DataParallel
 from tandem.parallel.fsdp import FullyShardedDataParallel
+from tandem.parallel.grad_norm import clip_sharded_grad_norm_
 from tandem.parallel.zero import ShardedOptimizer
 
 Kind = Literal["full", "sharded"]
@@ -115,8 +116,9 @@ class ReplicatedEngine(Engine):
     """Every rank holds the whole model: one process, or tandem.DDP (with a ShardedOptimizer,
     whose state is the one thing sharded).
 
-    Gradients are the same on every rank once backward has averaged them, so the local norm is
-    the global one and clipping needs no communication.
+    Gradients are whole and the same on every rank once backward has averaged them (a
+    ShardedOptimizer shards its state, not the gradients), so the local norm is the global one
+    and clipping is torch's own ``clip_grad_norm_``, without communication.
     """
 
     def __init__(
@@ -192,7 +194,9 @@ class ShardedEngine(Engine):
         return contextlib.nullcontext()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        return self.fsdp.clip_grad_norm_(max_norm, norm_type)
+        return clip_sharded_grad_norm_(
+            self.fsdp.parameters(), max_norm, norm_type, self.fsdp.process_group
+        )
 
     def state_dict(self, kind: Kind = "full") -> dict[str, Any]:
         self.check(kind)

@@ -17,29 +17,59 @@ the parameter views with one ``torch.split``: in backward the split's single nod
 the parameters' gradients into one flat gradient, which the leaf's post-accumulate hook
 reduce-scatters to the owners.
 
+Mixed precision (:mod:`tandem.parallel.fsdp_precision`): ``full`` is in ``param_dtype``, filled
+by an all-gather of the shards cast to it (half the bytes in bfloat16), so forward and backward
+compute in it; gradients are cast to ``reduce_dtype`` for the reduce-scatter, and the reduced
+slice to the shard's dtype. Readers of the whole values (checkpoints, ``gathered()``) must not
+see them rounded: they gather the shards as they are (:meth:`FlatUnit.gather`,
+:meth:`FlatUnit.gather_exact`) into a buffer of their own.
+
 Example::
 
     unit = FlatUnit(0, entries, group=None, device=cpu)  # entries: (fqn, locations, param)
-    unit.gather()                                        # all-gather; attributes are views
+    unit.unshard()                                       # all-gather; attributes are views
     leaf = unit.attach(requires_grad=True)
     unit.free()                                          # stage 3, after forward
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from tandem._dist import global_rank, group_rank, group_size
+from tandem.doctor import records
 from tandem.parallel.sharding import flat_shard, padded_numel
 
+
 # torch 2.13 renamed the flat collectives; older versions (tandem supports 2.4+) lack the new
-# names, and the old ones warn on new versions.
-all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# names, and the old ones warn on new versions. Looked up at each call, not once at import:
+# tandem.doctor's records replace torch's functions when they are installed, later.
+def all_gather_flat(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+) -> Any:
+    """``dist.all_gather_single`` (``all_gather_into_tensor`` before torch 2.13)."""
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(output, input, group=group, async_op=async_op)
+
+
+def reduce_scatter_flat(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+) -> Any:
+    """``dist.reduce_scatter_single`` (``reduce_scatter_tensor`` before torch 2.13), a sum."""
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(output, input, group=group, async_op=async_op)
 
 
 def mean_divisors(dtype: torch.dtype, world_size: int) -> tuple[float | None, float | None]:
@@ -83,6 +113,28 @@ def _alias(t: torch.Tensor) -> torch.Tensor:
     )
 
 
+@dataclass
+class Reduction:
+    """A started reduce-scatter of one unit's flat gradient.
+
+    ``out`` is this rank's slice (in the reduce dtype) once ``work`` is done (``work`` None:
+    one rank, nothing sent, ``out`` is the gradient itself); ``after`` is the divisor that makes
+    it a mean; ``sent`` the flat gradient the collective reads from, held until it is done.
+    """
+
+    out: torch.Tensor
+    work: Any
+    after: float | None
+    sent: torch.Tensor
+
+    def result(self, dtype: torch.dtype) -> torch.Tensor:
+        """The mean slice in ``dtype`` (call when ``work`` is done): divided in the reduce
+        dtype first, then cast (torch FSDP2's order, the same bits)."""
+        if self.after is not None:
+            self.out.div_(self.after)
+        return self.out.to(dtype)
+
+
 class FlatUnit:
     """The flat, sharded parameters of one unit (see the module docstring).
 
@@ -93,7 +145,15 @@ class FlatUnit:
             identical values on every rank, one dtype.
         group: the process group sharing the unit.
         device: where the shard and the gathered buffer live.
+        param_dtype: the dtype of ``full``, the gathered parameters forward and backward use
+            (None: the parameters' own).
+        reduce_dtype: the dtype gradients are reduce-scattered in (None: ``param_dtype``).
     """
+
+    # The unit whose whole values :meth:`gather` last gathered at the shard's precision under
+    # mixed precision: one such buffer at a time in the process, so that a checkpoint, which
+    # gathers unit after unit and never frees at stage 2, holds one unit's, not the model's.
+    _exact_holder: ClassVar[weakref.ref[FlatUnit] | None] = None
 
     def __init__(
         self,
@@ -101,6 +161,8 @@ class FlatUnit:
         params: list[tuple[str, list[tuple[nn.Module, str]], nn.Parameter]],
         group: dist.ProcessGroup | None,
         device: torch.device,
+        param_dtype: torch.dtype | None = None,
+        reduce_dtype: torch.dtype | None = None,
     ) -> None:
         dtypes = {p.dtype for *_, p in params}
         if len(dtypes) != 1:
@@ -110,10 +172,14 @@ class FlatUnit:
                 f"dtypes: {described}. Give them one dtype (module.to(dtype)) or wrap the "
                 "submodules of each dtype as their own units (auto_wrap)"
             )
+        dtype = dtypes.pop()
         self.index = index
         self.group = group
         self.world_size = group_size(group)
         self.rank = group_rank(group)
+        self.param_dtype = param_dtype or dtype
+        # torch's rule: the gradients come in param_dtype and are reduced in it unless told.
+        self.reduce_dtype = reduce_dtype or self.param_dtype
         self.entries: list[Entry] = []
         offset = 0
         for fqn, locations, p in params:
@@ -127,7 +193,7 @@ class FlatUnit:
         if self.padded > self.numel:
             self.split_sizes.append(self.padded - self.numel)
         with torch.no_grad():
-            flat = self._flatten({fqn: p for fqn, _, p in params}, dtypes.pop(), device)
+            flat = self._flatten({fqn: p for fqn, _, p in params}, dtype, device)
             if self.world_size > 1:
                 # Rank 0's values everywhere, one unit at a time on ``device``: a model built on
                 # the CPU never has to fit on the device whole.
@@ -137,12 +203,18 @@ class FlatUnit:
             for module, name in entry.locations:
                 del module._parameters[name]
         # The broadcast buffer already holds every rank's values: it is the first gathered
-        # ``full``, so construction needs no all-gather.
-        self.full = flat
+        # ``full`` (cast element by element: what gathering the cast shards would give), so
+        # construction needs no all-gather.
+        self.full = flat.to(self.param_dtype)
         self._gathering: dist.Work | None = None  # a prefetch's all-gather in flight
+        self._sending: torch.Tensor | None = None  # its input, alive until it is done
         # The shard's version when ``full`` was last filled from it: unchanged means ``full`` is
         # still current (stage 2 keeps it between steps and skips the all-gather).
         self._gathered_version: int | None = self.shard._version
+        # Mixed precision only: the whole values at the shard's precision, for full_values().
+        self._exact: torch.Tensor | None = None
+        # no_sync: the flat gradients of the micro-steps not reduced yet, summed.
+        self.unsynced: torch.Tensor | None = None
 
     def _flatten(
         self, values: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device | None
@@ -153,7 +225,12 @@ class FlatUnit:
             flat[e.offset : e.offset + e.numel].copy_(values[e.fqn].reshape(-1))
         return flat
 
-    # -- the gathered buffer -------------------------------------------------------------------
+    @property
+    def mixed(self) -> bool:
+        """Whether ``full`` is in another dtype than the shard (mixed precision)."""
+        return self.param_dtype != self.shard.dtype
+
+    # -- the gathered buffer, in param_dtype (forward and backward) ----------------------------
 
     @property
     def is_gathered(self) -> bool:
@@ -163,16 +240,16 @@ class FlatUnit:
     def is_current(self) -> bool:
         return self.is_gathered and self._gathered_version == self.shard._version
 
-    def gather(self, async_op: bool = False) -> None:
+    def unshard(self, async_op: bool = False) -> None:
         """Fill ``full`` from every rank's shard (one all-gather), unless it is current.
 
-        With ``async_op`` the all-gather is only started (a prefetch); the next plain
-        ``gather()`` or ``free()`` waits for it.
+        The shard is cast to ``param_dtype`` before it is sent. With ``async_op`` the
+        all-gather is only started (a prefetch); the next plain ``unshard()`` or ``free()``
+        waits for it.
         """
         if self._gathering is not None:
             if not async_op:
-                self._gathering.wait()
-                self._gathering = None
+                self._wait_gathering()
             return
         if self.is_current:
             return
@@ -181,14 +258,19 @@ class FlatUnit:
             storage.resize_(self.padded * self.full.element_size())
         target = _alias(self.full)
         with torch.no_grad():
+            source = self.shard.detach().to(self.param_dtype)
             if self.world_size == 1:
-                target.copy_(self.shard)
+                target.copy_(source)
             else:
-                work = all_gather_flat(
-                    target, self.shard.detach(), group=self.group, async_op=async_op
-                )
-                self._gathering = work if async_op else None
+                work = all_gather_flat(target, source, group=self.group, async_op=async_op)
+                if async_op:
+                    self._gathering, self._sending = work, source
         self._gathered_version = self.shard._version
+
+    def _wait_gathering(self) -> None:
+        assert self._gathering is not None
+        records.wait(self._gathering)
+        self._gathering = self._sending = None
 
     def invalidate(self) -> None:
         """Mark ``full`` stale: the shard changed in a way its version counter does not show
@@ -196,20 +278,24 @@ class FlatUnit:
         self._gathered_version = None
 
     def free(self) -> None:
-        """Release ``full``'s memory; views of it stay valid objects until the next gather."""
+        """Release ``full``'s memory (and :meth:`gather`'s values); views of it stay valid
+        objects until the next unshard."""
         if self._gathering is not None:  # never free what a collective is writing into
-            self._gathering.wait()
-            self._gathering = None
+            self._wait_gathering()
         self.full.untyped_storage().resize_(0)
         self._gathered_version = None
+        self._exact = None
 
-    def attach(self, requires_grad: bool) -> torch.Tensor | None:
-        """Point the module attributes at views of ``full``; the autograd leaf, if any.
+    def attach(
+        self, requires_grad: bool, values: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        """Point the module attributes at views of ``full`` (or of ``values``, a whole flat
+        buffer of the unit); the autograd leaf, if any.
 
         With ``requires_grad`` the views come from a fresh leaf aliasing ``full``, whose
         gradient is the unit's flat gradient (see the module docstring).
         """
-        leaf = _alias(self.full)
+        leaf = _alias(self.full if values is None else values)
         if requires_grad:
             leaf.requires_grad_(True)
         pieces = torch.split(leaf, self.split_sizes)
@@ -219,38 +305,87 @@ class FlatUnit:
                 setattr(module, name, view)
         return leaf if requires_grad else None
 
-    def writeback(self) -> None:
-        """Copy this rank's slice of ``full`` into the shard (after the caller edited views)."""
-        with torch.no_grad():
-            self.shard.copy_(self.full[self.own])
-        self._gathered_version = self.shard._version
+    # -- whole values at the shard's precision (checkpoints, gathered()) -----------------------
 
-    # -- gradients -----------------------------------------------------------------------------
+    def gather_exact(self) -> torch.Tensor:
+        """The whole flat buffer at the shard's precision (a collective: every rank calls it).
 
-    def reduce_scatter(
-        self, flat_grad: torch.Tensor
-    ) -> tuple[torch.Tensor, dist.Work | None, float | None]:
-        """Start summing ``flat_grad`` over the ranks into this rank's slice.
-
-        Returns the slice's buffer, the work to wait on and the divisor that makes the slice a
-        mean once the work is done (:func:`mean_divisors`); (``flat_grad``, None, None) when
-        there is nothing to send. ``flat_grad`` may be divided in place first.
+        Without mixed precision that is ``full``, unsharded; with it, a buffer of its own,
+        all-gathered from the shards as they are: the whole values are never seen rounded.
         """
-        if self.world_size == 1:
-            return flat_grad, None, None
-        before, after = mean_divisors(flat_grad.dtype, self.world_size)
-        if before is not None:
-            flat_grad.div_(before)
-        out = torch.empty_like(self.shard)
-        work = reduce_scatter_flat(out, flat_grad, group=self.group, async_op=True)
-        return out, work, after
+        if not self.mixed:
+            self.unshard()
+            return self.full
+        out = torch.empty(self.padded, dtype=self.shard.dtype, device=self.shard.device)
+        with torch.no_grad():
+            if self.world_size == 1:
+                out.copy_(self.shard)
+            else:
+                all_gather_flat(out, self.shard.detach(), group=self.group)
+        return out
+
+    def gather(self) -> None:
+        """Whole values at the shard's precision for :meth:`full_values` (a collective).
+
+        Without mixed precision: :meth:`unshard`. With it, the values are kept aside until
+        :meth:`free`, or until any unit gathers again this way (one such buffer at a time).
+        """
+        if not self.mixed:
+            self.unshard()
+            return
+        holder = FlatUnit._exact_holder() if FlatUnit._exact_holder is not None else None
+        if holder is not None:
+            holder._exact = None
+        self._exact = self.gather_exact()
+        FlatUnit._exact_holder = weakref.ref(self)
 
     def full_values(self) -> dict[str, torch.Tensor]:
-        """The gathered parameters as ``{fqn: tensor}`` views of ``full`` (gather first)."""
-        return {e.fqn: self.full[e.offset : e.offset + e.numel].view(e.shape) for e in self.entries}
+        """The whole parameters as ``{fqn: tensor}`` views, at the shard's precision (call
+        :meth:`gather` first)."""
+        flat = self._exact if self.mixed else self.full
+        assert flat is not None, "gather() first"
+        return {e.fqn: flat[e.offset : e.offset + e.numel].view(e.shape) for e in self.entries}
+
+    def writeback(self, values: torch.Tensor | None = None) -> None:
+        """Copy this rank's slice of ``full`` (or of ``values``, a whole flat buffer at the
+        shard's precision) into the shard, after the caller edited views of it."""
+        with torch.no_grad():
+            self.shard.copy_((self.full if values is None else values)[self.own])
+        if values is None or values is self.full:
+            self._gathered_version = self.shard._version
 
     def shard_of(
         self, values: dict[str, torch.Tensor], dtype: torch.dtype | None = None
     ) -> torch.Tensor:
         """This rank's slice of the flat buffer built from full-size ``values`` by fqn (CPU)."""
         return self._flatten(values, dtype or self.shard.dtype, None)[self.own]
+
+    # -- gradients -----------------------------------------------------------------------------
+
+    def reduce_scatter(self, flat_grad: torch.Tensor) -> Reduction:
+        """Start summing ``flat_grad`` over the ranks, in ``reduce_dtype``, into this rank's
+        slice; ``flat_grad`` may be divided in place first (:func:`mean_divisors`)."""
+        sent = flat_grad.to(self.reduce_dtype)  # itself when it has that dtype already
+        if self.world_size == 1:
+            return Reduction(sent, None, None, sent)
+        before, after = mean_divisors(self.reduce_dtype, self.world_size)
+        if before is not None:
+            sent.div_(before)
+        out = torch.empty(self.shard.numel(), dtype=self.reduce_dtype, device=sent.device)
+        work = reduce_scatter_flat(out, sent, group=self.group, async_op=True)
+        return Reduction(out, work, after, sent)
+
+    def accumulate(self, flat_grad: torch.Tensor) -> None:
+        """Keep a micro-step's flat gradient for the next reduce-scatter (``no_sync``), summed
+        in ``reduce_dtype`` as torch FSDP2 accumulates without gradient sync."""
+        if self.unsynced is None:
+            self.unsynced = flat_grad.to(self.reduce_dtype)
+        else:
+            self.unsynced.add_(flat_grad)
+
+    def with_unsynced(self, flat_grad: torch.Tensor) -> torch.Tensor:
+        """``flat_grad`` plus the gradients :meth:`accumulate` kept (which it hands over)."""
+        if self.unsynced is None:
+            return flat_grad
+        total, self.unsynced = self.unsynced, None
+        return total.add_(flat_grad)

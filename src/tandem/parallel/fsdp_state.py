@@ -7,9 +7,12 @@
   state is the state a plain optimizer over the plain module's ``parameters()`` would have:
   element-wise state (Adam's moments, momentum) is gathered and cut back into parameters;
   per-parameter scalars (Adam's ``step``) are copied to every parameter of the shard.
-- **Sharded**: each rank's shards as they are, with the layout they were cut by; one file per
+- **Sharded**: each rank's shards as they are, with the layout they were cut by (and the other
+  keys of tied weights, which the layout names once: :func:`aliases`); one file per
   rank, no communication, and it loads only at the same world size into the same model (both
   checked, with an error that points to the full form).
+- **Resharded**: shards saved at another world size are cut anew for this rank by
+  :mod:`tandem.parallel.fsdp_reshard`, into what :func:`sharded_state_dict` would hold here.
 
 Every function takes the model's :class:`~tandem.parallel.fsdp_layout.FsdpLayout` (its units,
 names and group), never the wrapper itself: the wrapper's methods of the same names call these.
@@ -86,15 +89,31 @@ def load_full_state_dict(layout: FsdpLayout, state: dict[str, Any]) -> None:
 
 
 def sharded_state_dict(layout: FsdpLayout) -> dict[str, Any]:
-    """This rank's shards, buffers and frozen parameters, with the layout (no communication)."""
+    """This rank's shards, buffers and frozen parameters, with the layout (no communication).
+
+    ``"aliases"`` maps every other ``state_dict`` key of a flattened parameter (a tied weight's
+    second name) to the fqn its unit holds it under: the layout names each parameter once, so a
+    reader that puts the plain state dict back together (export) needs them for every key.
+    """
     return {
         "format": SHARDED_FORMAT,
         "rank": layout.rank,
         "world_size": layout.world_size,
         "layout": layout.signature(),
+        "aliases": aliases(layout),
         "shards": [unit.shard.detach().cpu().clone() for unit in layout.units],
         "rest": {k: v.detach().cpu() for k, v in layout.module.state_dict().items()},
     }
+
+
+def aliases(layout: FsdpLayout) -> dict[str, str]:
+    """``{state_dict key: fqn}`` for the keys of flattened parameters that are not their fqn.
+
+    Example::
+
+        aliases(tied.layout)     # {"lm_head.weight": "embed.weight"}: one tensor, two keys
+    """
+    return {key: fqn for key, fqn in layout.key_fqn.items() if key != fqn}
 
 
 def load_sharded_state_dict(layout: FsdpLayout, state: dict[str, Any]) -> None:
@@ -109,7 +128,8 @@ def load_sharded_state_dict(layout: FsdpLayout, state: dict[str, Any]) -> None:
         raise ValueError(
             f"sharded state dict of rank {saved[0]} of {saved[1]} cannot load into rank "
             f"{layout.rank} of {layout.world_size}: a sharded checkpoint loads at the world size "
-            "that wrote it; save and load a full state dict to change the world size"
+            "that wrote it; reshard it (tandem.parallel.fsdp_reshard) or load a full state dict "
+            "to change the world size"
         )
     if [[(f, tuple(s)) for f, s in unit] for unit in state["layout"]] != layout.signature():
         raise ValueError(

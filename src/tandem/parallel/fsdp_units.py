@@ -10,6 +10,7 @@ Example::
 
     units = plan_units(model, auto_wrap={nn.Linear})   # [(name, module, params), ...]
     agree_on_units(units, group)                       # ValueError on every rank if they differ
+    units, policy = plan_agreed(model, {nn.Linear}, None, group, "tandem.FSDP")   # both at once
 """
 
 from __future__ import annotations
@@ -21,11 +22,15 @@ import torch.distributed as dist
 from torch import nn
 
 from tandem._dist import agree
+from tandem.parallel.fsdp_precision import MixedPrecisionPolicy, check_parameters, resolve_policy
 
 AutoWrap = Callable[[nn.Module], bool] | Iterable[type[nn.Module]]
 
 # One trainable parameter: its name, every (module, attribute) it is registered as, itself.
 Located = tuple[str, list[tuple[nn.Module, str]], nn.Parameter]
+
+# The units in construction order: (module name, module, its trainable parameters).
+Planned = list[tuple[str, nn.Module, list[Located]]]
 
 # One unit, as compared across ranks: its module's name and its parameters' (name, numel).
 Layout = list[tuple[str, list[tuple[str, int]]]]
@@ -101,19 +106,74 @@ def agree_on_units(
     units: list[tuple[str, nn.Module, list[Located]]] | None,
     group: dist.ProcessGroup | None,
     wrapper: str = "tandem.FullyShardedDataParallel",
+    precision: str = "",
 ) -> None:
-    """Return if every rank planned the same units; else ValueError on every rank.
+    """Return if every rank planned the same units with the same ``precision`` (the mixed
+    precision policy, described); else ValueError on every rank.
 
     ``units`` is None on a rank whose ``auto_wrap`` was refused: it joins the comparison anyway
     (and raises its own error afterwards), so its peers raise too instead of waiting for it.
+    The policy sets the dtypes of every collective, so it is compared in the same round.
     """
     agree(
-        layout(units),
-        f"{wrapper}: the units",
+        (layout(units), precision),
+        f"{wrapper}: the unit layout",
         group,
-        explain=first_unit_difference,
-        fix="Pass the same auto_wrap on every rank (the units decide the collectives)",
+        explain=_first_difference,
+        fix="Pass the same auto_wrap and mixed_precision on every rank (they decide the "
+        "collectives)",
     )
+
+
+def _first_difference(everyone: list[tuple[Layout | None, str]]) -> str:
+    policies = [p for _, p in everyone]
+    if any(p != policies[0] for p in policies):
+        shown = "; ".join(f"rank {r}: {p or 'none'}" for r, p in enumerate(policies))
+        return f"the mixed precision differs: {shown}"
+    return first_unit_difference([lay for lay, _ in everyone])
+
+
+def plan_agreed(
+    module: nn.Module,
+    auto_wrap: AutoWrap | None,
+    mixed_precision: Any,
+    group: dist.ProcessGroup | None,
+    wrapper: str,
+) -> tuple[Planned, MixedPrecisionPolicy | None]:
+    """The units (:func:`plan_units`) and the mixed precision policy, the same on every rank
+    and fitting the model; else ValueError on every rank (a rank whose input is refused still
+    joins the comparison, then raises its own error)."""
+    refused: ValueError | None = None
+    planned, policy = None, None
+    try:
+        planned = plan_units(module, auto_wrap)
+    except ValueError as error:
+        refused = error  # its layout is compared as None: the peers name the refusal
+    try:
+        policy = resolve_policy(mixed_precision)
+        precision = repr(policy) if policy is not None else ""
+    except ValueError as error:
+        refused, precision = refused or error, f"refused ({error})"
+    # Each unit broadcasts its own flat buffer, and the policy sets the dtype of every
+    # collective: the same model cut into other units, or gathered in another dtype, on one
+    # rank would hang the others there, so the ranks compare both first.
+    try:
+        agree_on_units(planned, group, wrapper, precision)
+    except ValueError:
+        if refused is None:
+            raise
+    if refused is not None:  # its own error on the rank that refused its input
+        raise refused
+    assert planned is not None  # a rank without a plan raised above
+    if policy is not None:  # the same model on every rank (verified): the same error on each
+        trainable = [(fqn, p) for _, _, params in planned for fqn, _, p in params]
+        frozen = [
+            name
+            for name, p in module.named_parameters()
+            if not p.requires_grad and p.is_floating_point() and p.dtype != policy.param_dtype
+        ]
+        check_parameters(policy, trainable, frozen)
+    return planned, policy
 
 
 def first_unit_difference(layouts: list[Any]) -> str:

@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from tandem._dist import group_rank
+from tandem.doctor import records
 
 if TYPE_CHECKING:
     from tandem.parallel.ddp import DistributedDataParallel
@@ -114,5 +115,5 @@ def common_rank(ddp: DistributedDataParallel, candidate: bool) -> int:
 
 def training_ranks(work: Any) -> int:
     """Ranks still training, from the all-reduce that announced this one (Join's work handle)."""
-    work.wait()
+    records.wait(work)
     return int(work.result()[0].item())

@@ -7,7 +7,8 @@ the collective timeout (30 minutes by default), with an error that blames the wa
 tandem.DDP waits on its collectives in slices instead. Once a wait has lasted ``CHECK_AFTER_S``
 (or the collective failed because a peer closed its connection), the waiting rank asks every
 rank of the group, through the rendezvous store, how many training steps its DDP has started
-and where its main thread is. A small thread in each process answers. A rank that has started
+and where its main thread is. The doctor's thread in each process answers (this module adds
+its part to the answers, see ``tandem.doctor.hang``). A rank that has started
 fewer steps and is blocked in another ``torch.distributed`` call (a barrier, an all-reduce of
 metrics, the teardown at the end of its script) can never join this step: that is a deadlock,
 and every rank raises :class:`RanksOutOfStepError` naming it, its step and its line. A rank
@@ -25,13 +26,10 @@ Example of what the waiting rank raises::
 
 from __future__ import annotations
 
-import atexit
-import contextlib
 import ctypes
 import itertools
 import json
 import logging
-import os
 import sys
 import threading
 import time
@@ -42,9 +40,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from tandem._dist import global_ranks, group_size, initialized
-from tandem.doctor import records
-from tandem.doctor.hang import answer_queries
+from tandem._dist import global_ranks, group_size
+from tandem.doctor import hang, mismatch, records, steps
 
 log = logging.getLogger("tandem.lockstep")
 
@@ -52,7 +49,6 @@ log = logging.getLogger("tandem.lockstep")
 # tenths of a second, so a rank that ran out is named within a few seconds.
 CHECK_AFTER_S = 3.0
 _SLICE = timedelta(seconds=0.25)
-_POLL_S = 0.2
 _ANSWER_WITHIN_S = 2.0
 
 
@@ -70,32 +66,44 @@ class Progress:
 
 
 def track(group: dist.ProcessGroup | None) -> Progress:
-    """Register a DDP model; the first one starts this process's answering thread."""
+    """Register a DDP model; the first one joins this process's doctor thread, which then
+    answers for it and takes the verdicts of its peers."""
     progress = Progress(next(_built), group)
     _models[progress.index] = progress
     if group_size(group) > 1:
-        _Answerer.start()
+        hang.Reporter.sections["lockstep"] = _state
+        hang.Reporter.hooks["lockstep"] = _take_verdict
+        hang.Reporter.deferrals["lockstep"] = _steps_differ
+        hang.Reporter.start()
     return progress
 
 
 def wait(work: dist.Work, progress: Progress, what: str) -> None:
     """``work.wait()``, but a wait that lasts checks that every rank is still in step."""
+    with steps.waiting:  # the time a rank waits for the others, for tandem run's summary
+        _wait(work, progress, what)
+
+
+def _wait(work: dist.Work, progress: Progress, what: str) -> None:
     try:
         work.wait(timeout=_SLICE)
         return
     except RuntimeError as e:
-        if not _timed_out(e):  # a peer closed its connection: say which rank left
+        mismatch.raise_if_failed()  # the doctor found that the ranks' collectives differ
+        if _failed(work):  # a peer closed its connection: say which rank left
             _raise_if_out_of_step(progress, what, e)
             raise
     # A wait that lasts: the hang reporter is told what it is for, and the ranks are surveyed.
     with records.waiting(records.of(work)):
         next_check = time.monotonic() + CHECK_AFTER_S - _SLICE.total_seconds()
         while True:
+            mismatch.raise_if_failed()
             try:
                 work.wait(timeout=_SLICE)
                 return
             except RuntimeError as e:
-                if not _timed_out(e):
+                mismatch.raise_if_failed()
+                if _failed(work):
                     _raise_if_out_of_step(progress, what, e)
                     raise
             if time.monotonic() >= next_check:
@@ -104,36 +112,25 @@ def wait(work: dist.Work, progress: Progress, what: str) -> None:
                 next_check = time.monotonic() + CHECK_AFTER_S
 
 
-def _timed_out(error: RuntimeError) -> bool:
-    return "timed out" in str(error).lower()
+def _failed(work: dist.Work) -> bool:
+    # A slice that timed out leaves the work incomplete; a failed one is complete (its error
+    # may say "timed out" too: the collective's own timeout).
+    return work.is_completed()
 
 
 def _raise_if_out_of_step(progress: Progress, what: str, cause: RuntimeError | None) -> None:
     found = _survey(progress, what)
     if found:
-        _Answerer.stuck = True
+        hang.Reporter.stuck = True
         raise RanksOutOfStepError(found) from cause
 
 
 def _survey(progress: Progress, what: str) -> str | None:
     """Ask every rank where it is; the error message if some rank can never join this step."""
-    store = _Answerer.store
-    if store is None:
-        return None
     me = dist.get_rank()
     try:
-        query = store.add("queries", 1)
-        deadline = time.monotonic() + _ANSWER_WITHIN_S
-        answers: dict[int, dict] = {}
         peers = [r for r in global_ranks(progress.group) if r != me]
-        while time.monotonic() < deadline and len(answers) < len(peers):
-            for r in peers:
-                if r not in answers:
-                    for key in (f"exit/{r}", f"answer/{query}/{r}"):
-                        if store.check([key]):
-                            answers[r] = json.loads(store.get(key))
-                            break
-            time.sleep(0.05)
+        answers = hang.ask(peers, _ANSWER_WITHIN_S)
     except RuntimeError:  # the store is gone: its host (rank 0) has exited
         return (
             f"tandem.DDP: rank {me} waits in step {progress.step} ({what}), and the rendezvous "
@@ -142,12 +139,13 @@ def _survey(progress: Progress, what: str) -> str | None:
     culprits: dict[int, str] = {}
     for r in sorted(answers):
         answer = answers[r]
-        step = answer["steps"].get(str(progress.index), 0)
+        theirs = answer.get("lockstep") or {"steps": {}, "in": None}
+        step = theirs["steps"].get(str(progress.index), 0)
         if answer.get("exited"):
             culprits[r] = f"rank {r} exited after starting {step} training steps"
-        elif step < progress.step and answer["in"] is not None:
+        elif step < progress.step and theirs["in"] is not None:
             culprits[r] = (
-                f"rank {r} started {step} training steps and is now in {answer['in']} at "
+                f"rank {r} started {step} training steps and is now in {theirs['in']} at "
                 f"{answer['where']}"
             )
     if not culprits:
@@ -159,97 +157,53 @@ def _survey(progress: Progress, what: str) -> str | None:
         "multiple of the world size), or wrap the loop in `with tandem.join([model]):` for "
         "uneven inputs."
     )
+    store = hang.Reporter._store
     for r in culprits:
-        store.set(f"verdict/{r}", message)
+        store.set(f"lockstep/verdict/{r}", message)
     # Let each culprit take the verdict before this rank raises: once this rank exits, the
     # culprit's own collective fails with the backend's words, naming nobody.
     deadline = time.monotonic() + _ANSWER_WITHIN_S
-    while time.monotonic() < deadline and not all(store.check([f"ack/{r}"]) for r in culprits):
+    while time.monotonic() < deadline and not all(
+        store.check([f"lockstep/ack/{r}"]) for r in culprits
+    ):
         time.sleep(0.05)
     return message
 
 
-class _Answerer:
-    """The thread that tells peers where this rank is (one per process)."""
+def _state() -> dict[str, Any]:
+    """This process's part of the doctor's answers: its DDP models' steps, and the
+    torch.distributed call its main thread is in (None when it is in none)."""
+    return {
+        "steps": {str(p.index): p.step for p in list(_models.values())},
+        "in": _main_thread_call(threading.main_thread().ident),
+    }
 
-    store: Any = None
-    _base: Any = None
-    _thread: threading.Thread | None = None
-    _main = 0  # the main thread's ident, where a verdict is raised
-    _rank = -1  # this process's global rank, under which it answers
-    _stop = threading.Event()
-    # A collective of this process can never complete: the backend would wait for it forever
-    # while the interpreter exits, so the exit is made immediate (see _exiting).
-    stuck = False
 
-    @classmethod
-    def start(cls) -> None:
-        base = dist.distributed_c10d._get_default_store()
-        if cls._thread is not None and cls._thread.is_alive() and cls._base is base:
-            return
-        # A first model, or a process group made anew (its store is another): answer there.
-        if cls._thread is None:
-            atexit.register(cls._exiting)
-        cls._base = base
-        cls.store = dist.PrefixStore("tandem/lockstep/", base)
-        main = threading.main_thread().ident
-        assert main is not None  # only a thread not yet started has no ident
-        cls._main = main
-        cls._rank = dist.get_rank()
-        cls._thread = threading.Thread(
-            target=cls._run, args=(cls.store, cls._rank), name="tandem-lockstep", daemon=True
-        )
-        cls._thread.start()
+def _take_verdict(store: Any) -> None:
+    """On each poll of the doctor's thread: has a peer found this rank out of step?"""
+    rank = dist.get_rank()
+    if store.check([f"lockstep/verdict/{rank}"]):
+        hang.Reporter.hooks.pop("lockstep", None)  # once
+        _convicted(store.get(f"lockstep/verdict/{rank}").decode())
+        store.set(f"lockstep/ack/{rank}", "1")
 
-    @classmethod
-    def _run(cls, store: Any, rank: int) -> None:
-        answered = 0
-        try:
-            # Until the process exits or its group is destroyed, or a newer group's thread
-            # takes over: never inside a store call while the interpreter tears down.
-            while not cls._stop.wait(_POLL_S) and store is cls.store and initialized():
-                answered = answer_queries(store, answered, rank, cls._state)
-                if store.check([f"verdict/{rank}"]):
-                    cls._convicted(store.get(f"verdict/{rank}").decode())
-                    store.set(f"ack/{rank}", "1")
-                    return
-        except Exception:  # the store went away with the job: nothing left to answer
-            return
 
-    @classmethod
-    def _state(cls, exited: bool = False) -> dict:
-        inside, where = _main_thread_position(cls._main)
-        return {
-            "steps": {str(p.index): p.step for p in list(_models.values())},
-            "in": inside,
-            "where": where,
-            "exited": exited,
-        }
+def _convicted(message: str) -> None:
+    # This rank is the one out of step. Its main thread may be blocked in a collective that
+    # will now fail with the backend's own words; raise ours in it as well.
+    log.error("%s", message)
+    hang.Reporter.stuck = True
+    error = type("RanksOutOfStepError", (RanksOutOfStepError,), {"__init__": _with(message)})
+    main = threading.main_thread().ident
+    assert main is not None  # only a thread not yet started has no ident
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(main), ctypes.py_object(error))
 
-    @classmethod
-    def _convicted(cls, message: str) -> None:
-        # This rank is the one out of step. Its main thread may be blocked in a collective
-        # that will now fail with the backend's own words; raise ours in it as well.
-        log.error("%s", message)
-        cls.stuck = True
-        error = type("RanksOutOfStepError", (RanksOutOfStepError,), {"__init__": _with(message)})
-        ctypes.pythonapi.PyThreadState_SetAsyncExc(
-            ctypes.c_ulong(cls._main), ctypes.py_object(error)
-        )
 
-    @classmethod
-    def _exiting(cls) -> None:
-        if cls.stuck:
-            # The error has been printed; tearing the process group down would hang on the
-            # collective that never completes.
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(1)
-        with contextlib.suppress(Exception):
-            cls.store.set(f"exit/{cls._rank}", json.dumps(cls._state(exited=True)))
-        cls._stop.set()
-        if cls._thread is not None:
-            cls._thread.join(timeout=2 * _POLL_S)
+def _steps_differ(answers: dict[int, dict[str, Any]]) -> bool:
+    """The ranks' DDP models ran different numbers of steps: a collective that differs across
+    ranks is then best named by this module (a rank ran out of data), not as a mismatch."""
+    told = [a["lockstep"]["steps"] for a in answers.values() if a.get("lockstep")]
+    return len({json.dumps(steps, sort_keys=True) for steps in told}) > 1
 
 
 def _with(message: str) -> Any:
@@ -259,16 +213,20 @@ def _with(message: str) -> Any:
     return __init__
 
 
-def _main_thread_position(ident: int | None) -> tuple[str | None, str]:
-    """(the torch.distributed call the main thread is in, or None; its innermost user line)."""
-    top = sys._current_frames().get(ident) if ident is not None else None
+def _main_thread_call(ident: int | None) -> str | None:
+    """The torch.distributed call the main thread is in (outermost), or None."""
+    frame = sys._current_frames().get(ident) if ident is not None else None
     inside = None
-    frame = top
     while frame is not None:
-        if frame.f_code.co_filename.endswith("distributed_c10d.py"):
-            inside = f"torch.distributed.{frame.f_code.co_name}"
+        code = frame.f_code
+        if code.co_filename.endswith("distributed_c10d.py"):
+            inside = f"torch.distributed.{code.co_name}"
+        elif code.co_name == "call" and code.co_filename == records.__file__:
+            # The records' wrapper, waiting in slices for a blocking call on Gloo.
+            record = records.blocked.get(ident) if ident is not None else None
+            inside = f"torch.distributed.{record.op}" if record is not None else inside
         frame = frame.f_back
-    return inside, records.user_line(top)
+    return inside
 
 
 # The DDP models alive in this process, by the order they were built (the same on every rank).

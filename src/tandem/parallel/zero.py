@@ -19,7 +19,7 @@ covers all parameters and phase 3 has nothing to send.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -28,9 +28,9 @@ from torch.optim import Optimizer
 
 from tandem._dist import global_rank, group_rank, group_size, require_process_group
 from tandem._profile import span
-from tandem.doctor import records
+from tandem.doctor import records, steps
 from tandem.parallel.replicas import verify_same_parameters
-from tandem.parallel.sharding import assign_owners
+from tandem.parallel.sharding import assign_owners, owned_indices
 
 
 class ShardedOptimizer(Optimizer):
@@ -43,7 +43,9 @@ class ShardedOptimizer(Optimizer):
     Checkpoints: ``state_dict()`` is this rank's shard and loads back with ``load_state_dict``
     into the same world size and parameters; ``full_state_dict(to)`` gathers the state of a plain
     optimizer over all parameters on rank ``to`` (it loads into ``optimizer_class(params)``), and
-    ``load_full_state_dict`` takes such a dict on every rank, whatever the world size.
+    ``load_full_state_dict`` takes such a dict on every rank, whatever the world size. Shards of
+    a run of another world size are resharded without gathering: ``reshard_state_dicts`` builds
+    this rank's shard from those of the ranks ``source_ranks`` names.
 
     Args:
         params: parameters or parameter-group dicts, as for ``optimizer_class``; the same on
@@ -82,9 +84,7 @@ class ShardedOptimizer(Optimizer):
             process_group,
             wrapper="tandem.ShardedOptimizer",
         )
-        self.owners = assign_owners(
-            [p.numel() * p.element_size() for p in self.params], self.world_size
-        )
+        self.owners = assign_owners(self._sizes(), self.world_size)
         owned = {id(p) for p, r in zip(self.params, self.owners, strict=True) if r == self.rank}
 
         # Empty groups are kept so that inner group i is outer group i, even on a rank that
@@ -130,8 +130,7 @@ class ShardedOptimizer(Optimizer):
                 loss = closure()
         # Phase 1: the gradients are already averaged (tandem.DDP, during backward).
         # Phase 2: step this rank's shard with the current outer hyperparameters.
-        for outer, inner in zip(self.param_groups, self.optimizer.param_groups, strict=True):
-            inner.update({k: v for k, v in outer.items() if k != "params"})
+        self._hyperparameters_to_inner()
         with span("tandem.zero.step"):
             self.optimizer.step()
         # Phase 3: every parameter from its owner.
@@ -157,7 +156,8 @@ class ShardedOptimizer(Optimizer):
             pending.append((owner, tensors, flat, work))
         # Waiting only after all are issued lets the broadcasts of different owners overlap.
         for owner, tensors, flat, work in pending:
-            work.wait()
+            with steps.waiting:  # the time this rank waits for the owners
+                records.wait(work)
             if owner == self.rank:
                 continue
             offset = 0
@@ -165,8 +165,16 @@ class ShardedOptimizer(Optimizer):
                 t.copy_(flat[offset : offset + t.numel()].view_as(t))
                 offset += t.numel()
 
+    def _hyperparameters_to_inner(self) -> None:
+        # A scheduler sets the outer groups' hyperparameters (lr); the inner optimizer, which
+        # steps and is saved, takes them here.
+        for outer, inner in zip(self.param_groups, self.optimizer.param_groups, strict=True):
+            inner.update({k: v for k, v in outer.items() if k != "params"})
+
     def state_dict(self) -> dict[str, Any]:
         """This rank's shard of the state; loads back on the same rank and world size."""
+        # Saved after scheduler.step() and before the next step(): the lr the scheduler set.
+        self._hyperparameters_to_inner()
         return {
             "shard": self.optimizer.state_dict(),
             "rank": self.rank,
@@ -180,8 +188,9 @@ class ShardedOptimizer(Optimizer):
         if saved != (self.rank, self.world_size, self.owners):
             raise ValueError(
                 f"shard of rank {saved[0]} of {saved[1]} (owners {saved[2]}) cannot load into "
-                f"rank {self.rank} of {self.world_size} (owners {self.owners}); use "
-                "full_state_dict() and load_full_state_dict() to change the world size"
+                f"rank {self.rank} of {self.world_size} (owners {self.owners}); to change the "
+                "world size, reshard_state_dicts() the saved shards, or use full_state_dict() "
+                "and load_full_state_dict()"
             )
         self.optimizer.load_state_dict(state_dict["shard"])
         self._hyperparameters_from_inner()
@@ -199,6 +208,7 @@ class ShardedOptimizer(Optimizer):
         """
         if not 0 <= to < self.world_size:
             raise ValueError(f"to={to} not in [0, {self.world_size})")
+        self._hyperparameters_to_inner()  # as in state_dict(): the scheduler's latest lr
         inner = self.optimizer.state_dict()
         mine = self._global_indices()
         # Tensors travel to the CPU first: gather_object pickles them.
@@ -235,6 +245,81 @@ class ShardedOptimizer(Optimizer):
         Each rank keeps the state of the parameters it owns, so the world size may differ from
         the one that saved it.
         """
+        self.optimizer.load_state_dict(self._inner_from_full(state_dict))
+        self._hyperparameters_from_inner()
+
+    def source_ranks(self, world_size: int) -> list[int]:
+        """The ranks of a ``world_size``-rank run whose shards hold this rank's parameters' state.
+
+        Owners are :func:`~tandem.parallel.sharding.assign_owners`' answer for ``world_size``,
+        computed here without reading anything. A rank that owns nothing still needs one shard,
+        for the hyperparameters: rank 0's.
+
+        Example::
+
+            files = {q: torch.load(f"rank{q}.pt") for q in opt.source_ranks(saved_world_size)}
+            opt.load_state_dict(opt.reshard_state_dicts(files))
+        """
+        old = assign_owners(self._sizes(), world_size)
+        return sorted({old[i] for i in owned_indices(self.owners, self.rank)}) or [0]
+
+    def reshard_state_dicts(self, saved: Mapping[int, dict[str, Any]]) -> dict[str, Any]:
+        """This rank's :meth:`state_dict` rebuilt from shards a run of another world size saved.
+
+        No communication: each rank reads the shards of the ranks that owned its parameters
+        (:meth:`source_ranks`), so that no rank ever holds the whole state.
+
+        Args:
+            saved: ``{saved rank: its state_dict()}``, at least those of :meth:`source_ranks`.
+
+        Raises:
+            ValueError: the shards disagree on their world size or owners, or were cut from
+                other parameters (their owners are not this model's at that world size).
+
+        Example::
+
+            saved = {q: torch.load(f"ckpt/rank{q}.pt")["optimizer"] for q in opt.source_ranks(2)}
+            opt.load_state_dict(opt.reshard_state_dicts(saved))     # saved by 2 ranks, here 3
+        """
+        first = saved[min(saved)]
+        world, owners = first["world_size"], list(first["owners"])
+        expected = assign_owners(self._sizes(), world)
+        if owners != expected:
+            raise ValueError(
+                f"ShardedOptimizer shards of a {world}-rank run name owners {owners}; these "
+                f"{len(self.params)} parameters at {world} ranks have owners {expected}: the "
+                "shards belong to another model or parameter order"
+            )
+        state: dict[int, Any] = {}
+        for rank, shard in sorted(saved.items()):
+            if (shard["rank"], shard["world_size"], list(shard["owners"])) != (rank, world, owners):
+                raise ValueError(
+                    f"the shard read as rank {rank} of {world} says it is rank {shard['rank']} "
+                    f"of {shard['world_size']} with owners {shard['owners']}"
+                )
+            # Inner index k of rank q is q's k-th owned parameter in registration order: how
+            # the constructor built q's inner optimizer.
+            ids = owned_indices(owners, rank)
+            state.update({ids[k]: s for k, s in shard["shard"]["state"].items()})
+        groups, start = [], 0
+        for saved_group, g in zip(first["shard"]["param_groups"], self.param_groups, strict=True):
+            hyper = {k: v for k, v in saved_group.items() if k != "params"}
+            groups.append({**hyper, "params": list(range(start, start + len(g["params"])))})
+            start += len(g["params"])
+        full = {"state": state, "param_groups": groups}
+        return {
+            "shard": self._inner_from_full(full),
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "owners": list(self.owners),
+        }
+
+    def _sizes(self) -> list[int]:
+        """What owners are balanced by: every parameter's bytes, in registration order."""
+        return [p.numel() * p.element_size() for p in self.params]
+
+    def _inner_from_full(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """The inner optimizer's state dict: this rank's part of a plain optimizer's."""
         groups = state_dict["param_groups"]
         sizes = [len(g["params"]) for g in self.param_groups]
         if [len(g["params"]) for g in groups] != sizes:
@@ -254,8 +339,7 @@ class ShardedOptimizer(Optimizer):
                 ids.append(inner_id)
                 inner_id += 1
             inner_groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": ids})
-        self.optimizer.load_state_dict({"state": inner_state, "param_groups": inner_groups})
-        self._hyperparameters_from_inner()
+        return {"state": inner_state, "param_groups": inner_groups}
 
     def _global_indices(self) -> list[int]:
         """Index into ``self.params`` of each inner parameter, in the inner optimizer's order."""

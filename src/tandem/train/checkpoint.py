@@ -14,14 +14,12 @@ by an fsync of the directory so the rename itself survives a power loss:
 2. its ``.sha256`` sidecar: a checkpoint without one is an unfinished save and is not listed;
 3. the ``latest`` pointer, last, so it only ever names a checkpoint that is whole on disk.
 
-Then checkpoints beyond the newest ``keep`` are deleted (sidecar first, the reverse of a save),
-with leftovers of saves that crashed. A crash at any point leaves ``latest`` naming the previous
-good checkpoint.
+Then checkpoints beyond the newest ``keep`` are deleted (sidecar first), with leftovers of
+crashed saves. A crash at any point leaves ``latest`` naming the previous good checkpoint.
 
 Loading verifies the sidecar's checksum before unpickling anything and unpickles with
-``torch.load(..., weights_only=True)``, which accepts only tensors and plain data, so a tampered
-file cannot run code. Saving refuses a state that such loading would reject, so the mistake
-shows at the first save rather than at the resume after a crash.
+``torch.load(..., weights_only=True)`` (tensors and plain data only: a tampered file cannot run
+code). Saving refuses a state that such loading would reject: the mistake shows at once.
 """
 
 from __future__ import annotations
@@ -74,15 +72,12 @@ def save_checkpoint(
 ) -> Path:
     """Write ``state`` as ``run_dir/checkpoints/ckpt-e{epoch:04d}-s{step:08d}.pt`` atomically.
 
-    Call it on one rank only (the main one): it does no communication. See the module docstring
-    for the order of writes; ``latest`` is updated last and then all but the newest ``keep``
-    checkpoints are deleted (never the one just written). Saving the same epoch and step again
-    replaces that checkpoint.
+    One rank only (no communication). The order of writes is the module doc's; then all but the
+    newest ``keep`` are deleted. Saving the same epoch and step again replaces that checkpoint.
 
     Args:
         state: nested dicts, lists and tuples of tensors, ints, floats, bools, strings and None
-            (what ``state_dict()`` of models, optimizers, schedulers and grad scalers returns).
-            Tensors keep their device in the file and are loaded onto the CPU.
+            (``state_dict()``s); tensors are loaded onto the CPU.
         run_dir: the run's directory; created if missing.
         epoch: epoch number, ``>= 0``.
         step: global step number, ``>= 0``.
@@ -100,35 +95,19 @@ def save_checkpoint(
 
         state = {"model": model.state_dict(), "optimizer": opt.state_dict()}
         save_checkpoint(state, "runs/exp1", epoch=3, step=1200, keep=3)
-        ckpt = load_checkpoint("runs/exp1")  # follows runs/exp1/checkpoints/latest
     """
     _check_args(state, epoch, step, keep)
     ckpt_dir = Path(run_dir) / CHECKPOINTS_DIR
     name = checkpoint_name(epoch, step) + ".pt"
     path = ckpt_dir / name
-    sidecar = _sidecar(path)
     payload = {"format_version": FORMAT_VERSION, "epoch": epoch, "step": step, "state": state}
     try:
         ckpt_dir.mkdir(parents=True, exist_ok=True)
-        tmp = write_temp(ckpt_dir, name, lambda f: torch.save(payload, f))
-        try:
-            _check_loadable(tmp, path)
-            digest = file_digest(tmp, "sha256")
-            # Saving the same name again (a resumed run reaching the same step): uncommit the old
-            # one first, so a crash before the new sidecar is written can never pair the old
-            # checksum with the new bytes.
-            unlink_quietly(sidecar)
-        except BaseException:
-            unlink_quietly(tmp)
-            raise
+        # Steps 1 and 2: the checkpoint and its sidecar.
+        digest = write_committed(payload, path)
         record = {"checkpoint": name, "epoch": epoch, "step": step, "sha256": digest}
         pointer = (json.dumps(record) + "\n").encode()
         try:
-            # Step 1: the checkpoint.
-            rename_into_place(tmp, path)
-            fsync_dir(ckpt_dir)
-            # Step 2: its sidecar, which commits it.
-            write_atomic(sidecar, f"{digest}  {name}\n".encode())
             # Step 3: the pointer, last. Its directory fsync is outside the rollback: once
             # renamed, `latest` may name the new checkpoint, which must then stay.
             pointer_tmp = write_temp(ckpt_dir, LATEST, lambda f: f.write(pointer))
@@ -136,7 +115,7 @@ def save_checkpoint(
         except BaseException:
             # `latest` was not renamed, so it names the previous checkpoint; the new one, whole
             # or not, would only confuse the next save's pruning.
-            unlink_quietly(sidecar)
+            unlink_quietly(sidecar_of(path))
             unlink_quietly(path)
             raise
         fsync_dir(ckpt_dir)
@@ -144,6 +123,39 @@ def save_checkpoint(
         raise _with_context(e, f"cannot save checkpoint {path}") from e
     _prune(ckpt_dir, keep, pinned=path)
     return path
+
+
+def write_committed(payload: dict[str, Any], path: Path) -> str:
+    """Steps 1 and 2 of every save (Trainer's and ``tandem.checkpoint``'s): ``path``, then its
+    sidecar, which commits it; the file's sha256. One saved over is uncommitted first (its
+    sidecar goes before the rename); on any failure neither file is left.
+
+    Raises:
+        ValueError: ``payload`` holds what ``weights_only`` loading refuses (nothing written).
+        OSError: the file system refused a write.
+
+    Example::
+
+        digest = write_committed({"format": "tandem.checkpoint/1", ...}, Path("ckpt/a.pt"))
+    """
+    sidecar = sidecar_of(path)
+    tmp = write_temp(path.parent, path.name, lambda f: torch.save(payload, f))
+    try:
+        check_loadable(tmp, path)
+        digest = file_digest(tmp, "sha256")
+        unlink_quietly(sidecar)
+    except BaseException:
+        unlink_quietly(tmp)
+        raise
+    try:
+        rename_into_place(tmp, path)
+        fsync_dir(path.parent)
+        write_atomic(sidecar, f"{digest}  {path.name}\n".encode())
+    except BaseException:
+        unlink_quietly(sidecar)
+        unlink_quietly(path)
+        raise
+    return digest
 
 
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
@@ -159,23 +171,21 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     Raises:
         CheckpointError: no checkpoint there, a missing or mismatched checksum (a corrupt or
             truncated file), objects that ``weights_only`` loading refuses, or a format
-            version newer than this tandem reads. The message names the file and the other
-            checkpoints in its directory, any of which can be loaded by passing its path.
+            version newer than this tandem reads; named, with the checkpoints beside it.
 
     Example::
 
         ckpt = load_checkpoint("runs/exp1")
         model.load_state_dict(ckpt["state"]["model"])
-        start_step = ckpt["step"] + 1
     """
     file = _resolve(Path(path))
-    _verify_checksum(file)
+    verify_checksum(file)
     try:
         payload = torch.load(file, weights_only=True, map_location="cpu")
     except pickle.UnpicklingError as e:
         raise CheckpointError(
             f"checkpoint {file} holds objects other than tensors and plain data; refused to "
-            f"unpickle them, since that could run code ({_first_line(e)}).{_others_hint(file)}"
+            f"unpickle them, since that could run code ({first_line(e)}).{_others_hint(file)}"
         ) from e
     except Exception as e:
         raise CheckpointError(f"checkpoint {file} cannot be read: {e}{_others_hint(file)}") from e
@@ -200,7 +210,7 @@ def list_checkpoints(run_dir: str | Path) -> list[Path]:
     ckpt_dir = _checkpoints_dir(Path(run_dir))
     if not ckpt_dir.is_dir():
         return []
-    keyed = [(_key(e.name), e) for e in ckpt_dir.iterdir() if _sidecar(e).is_file()]
+    keyed = [(_key(e.name), e) for e in ckpt_dir.iterdir() if sidecar_of(e).is_file()]
     return [e for _, e in sorted((k, e) for k, e in keyed if k is not None)]
 
 
@@ -254,7 +264,8 @@ def _checkpoints_dir(path: Path) -> Path:
     return path / CHECKPOINTS_DIR if (path / CHECKPOINTS_DIR).is_dir() else path
 
 
-def _sidecar(path: Path) -> Path:
+def sidecar_of(path: Path) -> Path:
+    """The checksum file that commits ``path``: ``<path>.sha256``."""
     return path.with_name(path.name + _SIDECAR)
 
 
@@ -273,8 +284,9 @@ def _resolve(path: Path) -> Path:
     return path
 
 
-def _verify_checksum(file: Path) -> None:
-    sidecar = _sidecar(file)
+def verify_checksum(file: Path) -> None:
+    """CheckpointError unless ``file`` hashes to what its sidecar records."""
+    sidecar = sidecar_of(file)
     try:
         expected = sidecar.read_text().split()[0].lower()
     except (OSError, IndexError) as e:
@@ -331,14 +343,15 @@ def _names(paths: list[Path]) -> str:
     return ", ".join(p.name for p in paths) or "none"
 
 
-def _check_loadable(tmp: Path, path: Path) -> None:
+def check_loadable(tmp: Path, path: Path) -> None:
+    """ValueError unless ``weights_only`` loading takes ``tmp`` (to be saved as ``path``)."""
     # The loader's own rule is the test: mmap keeps this cheap, tensors are not read.
     try:
         loaded = torch.load(tmp, weights_only=True, mmap=True, map_location="cpu")
     except pickle.UnpicklingError as e:
         raise ValueError(
             f"state for checkpoint {path} holds an object that torch.load(weights_only=True) "
-            f"refuses, so it could never be loaded: {_first_line(e)}. Store plain data (e.g. "
+            f"refuses, so it could never be loaded: {first_line(e)}. Store plain data (e.g. "
             "a state_dict() or a tensor) or register the class with "
             "torch.serialization.add_safe_globals"
         ) from e
@@ -346,21 +359,16 @@ def _check_loadable(tmp: Path, path: Path) -> None:
 
 
 def _prune(ckpt_dir: Path, keep: int, pinned: Path) -> None:
-    """Delete all but the newest ``keep`` checkpoints and leftovers of crashed saves.
-
-    Leftovers are our temporary files, checkpoint files without a sidecar (a save that died
-    between its first two steps) and sidecars without a checkpoint. One process saves into a
-    run directory at a time, so none of them can belong to a save still in progress.
-
-    ``pinned`` is the checkpoint ``latest`` now names; it is never deleted even if older ones
-    sort after it (a run resumed from an earlier checkpoint). Failures only warn: the new
-    checkpoint is committed, and training should not die over disk housekeeping.
-    """
+    """Delete all but the newest ``keep`` checkpoints, and leftovers of crashed saves (our
+    temporary files, files without a sidecar, sidecars without a file: one process saves into a
+    run directory at a time, so none is a save in progress). ``pinned``, which ``latest`` now
+    names, stays even if older ones sort after it (a run resumed from an earlier checkpoint).
+    Failures only warn: the new checkpoint is committed, training should not die over them."""
     listed = list_checkpoints(ckpt_dir)
     doomed = [p for p in listed[: max(len(listed) - keep, 0)] if p != pinned]
     try:
         for path in doomed:
-            os.unlink(_sidecar(path))  # uncommit first, so a crash here leaves no half pair
+            os.unlink(sidecar_of(path))  # uncommit first, so a crash here leaves no half pair
             os.unlink(path)
         committed = {p.name for p in listed}
         for entry in ckpt_dir.iterdir():
@@ -385,6 +393,7 @@ def _with_context(e: OSError, what: str) -> OSError:
         return OSError(f"{what}: {e}")
 
 
-def _first_line(e: BaseException) -> str:
+def first_line(e: BaseException) -> str:
+    """The line of an unpickling error that names what was refused."""
     lines = [line.strip() for line in str(e).splitlines() if line.strip()]
     return next((line for line in lines if "Unsupported" in line), lines[0] if lines else repr(e))

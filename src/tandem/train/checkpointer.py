@@ -10,14 +10,28 @@ It knows nothing of the Trainer. A checkpoint (written by
     <name>       for every stateful object: its state_dict(), or None for an object not given;
                  with "ranks": every rank's rank_state_dict(), in rank order, if it has one
 
+The work on the objects is ``tandem.checkpoint``'s (:mod:`tandem.train.checkpoint_steps` over
+the entries of :mod:`tandem.train.checkpoint_objects`): the engine is one entry (its ``model``,
+``optimizer`` and ``engine`` parts at the top of the layout above), each object a stateful
+entry; gathering, the shard files, the checks made before anything loads, resharding and the
+per-rank states are done once for both. What is the checkpointer's own: this layout (the same
+``format_version`` as ever, so older checkpoints still resume), the run directory's names,
+``latest`` and retention, and the note for ``tandem run``.
+
+A checkpoint resumes at another world size: the model and optimizer of the full format load at
+any world size as they are; in the sharded format each rank reads the saved shards that overlap
+its own and cuts them anew (:func:`tandem.train.shard_files.reshard`), which needs those files
+visible to it (a shared file system); per-rank states go to the object's
+``load_rank_state_dicts(states, rank)``, which maps them (RunState: see its module doc).
+
 For a Trainer the objects are ``trainer`` (:class:`tandem.train.run_state.RunState`: epoch,
 step, sampler position, history, and per rank the RNG states and loss sums), ``scheduler`` and
 ``scaler``. See :mod:`tandem.parallel.engine` for the model and optimizer formats.
 
 Every function here is called on every rank at the same point, and every error is raised on
 every rank: rank 0's verdicts (a run directory it cannot write, a checkpoint it cannot read or
-write) travel to the others before anyone raises, and the checks made on the loaded state use
-data every rank has, so they fail everywhere alike.
+write) travel to the others before anyone raises, and what one rank finds while loading (a
+shard file it cannot read, an object refusing its state) is gathered and raised on all.
 
 Example::
 
@@ -29,12 +43,17 @@ Example::
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import re
+import time
 from pathlib import Path
 from typing import Any, Protocol
 
 from tandem import _dist
+from tandem._profile import span
+from tandem.files import write_atomic
 from tandem.parallel.engine import Engine, Kind
 from tandem.train.checkpoint import (
     CHECKPOINTS_DIR,
@@ -45,12 +64,17 @@ from tandem.train.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from tandem.train.collective import from_rank0, gather_objects
-from tandem.train.shard_files import prune_shards, read_shard, write_shard
+from tandem.train.checkpoint_objects import EngineEntry, Entry, StatefulEntry
+from tandem.train.checkpoint_steps import ShardFiles, check, load_into, save_entries, settle
+from tandem.train.collective import from_rank0
+from tandem.train.shard_files import prune_shards
 
 log = logging.getLogger(__name__)
 
 _ENGINE_KEYS = ("model", "optimizer", "engine")
+# The engine's entry; its parts sit at the top of the layout, beside "shards".
+_ENGINE = "engine"
+_RESERVED = (*_ENGINE_KEYS, "shards")
 
 
 class Stateful(Protocol):
@@ -58,6 +82,8 @@ class Stateful(Protocol):
 
     An object may also have ``rank_state_dict()`` / ``load_rank_state_dict(state)`` for a part
     that differs per rank (RNG states): every rank's is saved, and each rank gets its own back.
+    With ``load_rank_state_dicts(states, rank)`` instead it gets every saved rank's, and may be
+    resumed at another world size (it decides how the states map onto the new ranks).
     """
 
     def state_dict(self) -> dict[str, Any]: ...
@@ -110,46 +136,38 @@ class Checkpointer:
     ) -> Path:
         """Gather every rank's state, write the checkpoint on rank 0; its path on every rank.
 
+        Under ``tandem run`` rank 0 also notes the commit for the launcher's exit summary
+        (:func:`report_commit`).
+
         Raises:
             OSError, ValueError: a rank could not write (raised on every rank, nothing
                 committed).
         """
-        parts = engine.state_dict(self.kind)
-        shard = parts["shard"]
-        mine: dict[str, Any] = {
-            name: obj.rank_state_dict()
-            for name, obj in objects.items()
-            if obj is not None and hasattr(obj, "rank_state_dict")
-        }
+        started = time.time()
         name = checkpoint_name(epoch, step)
-        report: tuple[str | None, str | None] = (None, None)
-        if shard is not None:
-            try:
-                report = (None, write_shard(shard, self.ckpt_dir, name, self.rank))
-            except OSError as e:
-                report = ("OSError", f"rank {self.rank} could not save its shard: {e}")
-        everyone = gather_objects({"ranks": mine, "shard": report})
-        failed = [r["shard"][1] for r in everyone if r["shard"][0] is not None]
-        if failed:
-            # Every rank has the same gathered list: the same error everywhere, nothing committed.
-            raise OSError("; ".join(failed))
+        entries = _entries(engine, objects)
+        files = ShardFiles(self.ckpt_dir, name, single=_ENGINE)
+        saved = save_entries(entries, self.kind, files, self.rank)
         verdict: tuple[str | None, Any] = (None, None)
         if self.rank == 0:
-            state: dict[str, Any] = {key: parts[key] for key in _ENGINE_KEYS}
-            state["shards"] = (
-                None if shard is None else {"sha256": [r["shard"][1] for r in everyone]}
-            )
+            state: dict[str, Any] = dict(saved.states[_ENGINE])
+            state["shards"] = None if saved.digests is None else {"sha256": saved.digests}
             for key, obj in objects.items():
-                state[key] = None if obj is None else obj.state_dict()
-                if key in mine:
-                    state[key]["ranks"] = [r["ranks"][key] for r in everyone]
+                state[key] = None if obj is None else dict(saved.states[key])
+                if key in saved.ranks:
+                    state[key]["ranks"] = saved.ranks[key]
             try:
-                path = save_checkpoint(state, self.run_dir, epoch=epoch, step=step, keep=self.keep)
+                with span("tandem.train.checkpoint_write", name):
+                    path = save_checkpoint(
+                        state, self.run_dir, epoch=epoch, step=step, keep=self.keep
+                    )
                 verdict = (None, (str(path), [p.stem for p in list_checkpoints(self.ckpt_dir)]))
             except (OSError, ValueError) as e:
                 verdict = (type(e).__name__, f"rank 0 could not save a checkpoint: {e}")
+        if self.rank == 0 and verdict[0] is None:
+            report_commit(Path(verdict[1][0]), epoch=epoch, step=step, started=started)
         error, payload = from_rank0(verdict)
-        if shard is not None:
+        if saved.digests is not None:
             # After a failed save too: its shards are then garbage.
             committed = set(payload[1]) if error is None else set()
             prune_shards(self.ckpt_dir, committed, self.rank)
@@ -187,13 +205,23 @@ class Checkpointer:
         if payload is None:
             return None
         path = Path(payload["path"])
-        state = _upgrade(payload["state"])
+        entries = _entries(engine, objects)
+        records = _records(_upgrade(payload["state"]), objects, path)
+        files = ShardFiles(path.parent, path.stem, single=_ENGINE)
+        # Everything checked on every rank before anything loads (checkpoint_steps).
+        shard: dict[str, Any] | None = None
+        local: Exception | None = None
         try:
-            self._load_objects(objects, state)
-        except ValueError as e:
-            raise ValueError(f"checkpoint {path}: {e}") from e
-        shard = self._read_own_shard(state, path)
-        engine.load_state_dict({**{k: state.get(k) for k in _ENGINE_KEYS}, "shard": shard})
+            shard = check(path, records, entries, files, self.rank)
+        except (ValueError, CheckpointError) as e:
+            local = e
+        settle(local)
+        local = None
+        try:
+            load_into({}, path, records, entries, shard, self.rank)
+        except Exception as e:
+            local = e
+        settle(local)
         log.debug("resumed from %s", path)
         return path
 
@@ -207,37 +235,79 @@ class Checkpointer:
             raise CheckpointError(f"no checkpoints in {where} to resume from")
         return {**load_checkpoint(file), "path": str(file)}
 
-    def _load_objects(self, objects: dict[str, Stateful | None], state: dict[str, Any]) -> None:
-        for key, obj in objects.items():
-            if (state.get(key) is None) != (obj is None):
-                holds = "holds" if state.get(key) is not None else "holds no"
-                raise ValueError(
-                    f"{holds} {key} state, and this run was given {key}={obj!r}: pass the same "
-                    f"kind of {key} as the run had"
-                )
-        for key, obj in objects.items():
-            if obj is None:
-                continue
+
+def _entries(engine: Engine, objects: dict[str, Stateful | None]) -> list[Entry]:
+    """The engine's entry, then one per object given (None: the run has no such object)."""
+    clash = [key for key in objects if key in _RESERVED]
+    if clash:
+        raise ValueError(f"objects may not be named {clash}: the checkpoint's layout uses them")
+    entries: list[Entry] = [EngineEntry(_ENGINE, engine)]
+    entries[0].what = "the engine (model and optimizer)"
+    entries += [StatefulEntry(k, obj) for k, obj in objects.items() if obj is not None]
+    return entries
+
+
+def _records(
+    state: dict[str, Any], objects: dict[str, Stateful | None], path: Path
+) -> dict[str, Any]:
+    """The Trainer layout's ``state`` as ``tandem.checkpoint``'s records (checkpoint_steps).
+
+    Raises:
+        ValueError: the checkpoint holds an object's state and the run was given None for it,
+            or the reverse (the same on every rank: every rank has the same ``state``).
+    """
+    for key, obj in objects.items():
+        if (state.get(key) is None) != (obj is None):
+            holds = "holds" if state.get(key) is not None else "holds no"
+            raise ValueError(
+                f"checkpoint {path}: {holds} {key} state, and this run was given {key}={obj!r}: "
+                f"pass the same kind of {key} as the run had"
+            )
+    engine = {key: state.get(key) for key in _ENGINE_KEYS}
+    records = {_ENGINE: {"type": "engine", "state": engine, "ranks": None}}
+    for key, obj in objects.items():
+        if obj is not None:
             saved = dict(state[key])
             ranks = saved.pop("ranks", None)
-            obj.load_state_dict(saved)
-            if ranks is not None:
-                obj.load_rank_state_dict(ranks[self.rank])  # type: ignore[attr-defined]
+            records[key] = {"type": "stateful", "state": saved, "ranks": ranks}
+    return {"objects": records, "shards": state.get("shards")}
 
-    def _read_own_shard(self, state: dict[str, Any], path: Path) -> dict[str, Any] | None:
-        """This rank's shard of a sharded checkpoint (None for a full one); errors everywhere."""
-        shards = state.get("shards")
-        if shards is None:
-            return None
-        shard, problem = None, None
-        try:
-            shard = read_shard(path.parent, path.stem, self.rank, shards["sha256"][self.rank])
-        except CheckpointError as e:
-            problem = str(e)
-        problems = [p for p in gather_objects(problem) if p is not None]
-        if problems:
-            raise CheckpointError(f"checkpoint {path}: " + "; ".join(problems))
-        return shard
+
+def report_commit(path: Path, *, epoch: int, step: int, started: float) -> Path | None:
+    """Note for ``tandem run`` that the checkpoint ``path`` is committed; the note's path.
+
+    ``tandem run`` gives its workers ``TANDEM_REPORT_DIR``; rank 0 writes there, atomically,
+    ``tandem-checkpoint-<TORCHELASTIC_RUN_ID>.json``: ``path``, ``epoch``, ``step`` and the
+    wall-clock times the save ``started`` and was ``committed``, one file per run, replaced at
+    every commit. When the job is stopped by a signal or fails, the launcher's exit summary
+    names the checkpoint and how to resume (``tandem.launch.supervisor.committed_checkpoint``
+    reads the note). Without ``TANDEM_REPORT_DIR`` nothing is written (None). A note that
+    cannot be written is only logged: the checkpoint is committed all the same.
+
+    Example::
+
+        report_commit(Path("runs/x/checkpoints/ckpt-e0003-s00001200.pt"), epoch=3,
+                      step=1200, started=time.time() - 2.0)
+    """
+    where = os.environ.get("TANDEM_REPORT_DIR")
+    if not where:
+        return None
+    # The launcher names the file by its run id (a hex token); anything else is made safe.
+    run_id = re.sub(r"[^\w.-]", "_", os.environ.get("TORCHELASTIC_RUN_ID", "none"))
+    note = Path(where) / f"tandem-checkpoint-{run_id}.json"
+    record = {
+        "path": str(path),
+        "epoch": epoch,
+        "step": step,
+        "started": started,
+        "committed": time.time(),
+    }
+    try:
+        write_atomic(note, (json.dumps(record) + "\n").encode())
+    except OSError as e:
+        log.warning("checkpoint %s committed, but the note for tandem run failed: %s", path, e)
+        return None
+    return note
 
 
 def _upgrade(state: dict[str, Any]) -> dict[str, Any]:

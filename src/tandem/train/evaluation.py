@@ -2,61 +2,129 @@
 
 With :class:`tandem.data.EvalSampler` every sample is evaluated on exactly one rank (no padding),
 and :mod:`tandem.metrics` weighs by counts, so the result equals one process on the whole set.
+
+Each batch goes through the run's step (:class:`tandem.train.step.BatchStep`): the default one,
+``loss_fn(model(inputs), targets)``, or the user's ``eval_step(model, batch)``. A batch weighs
+its count: the leading dimension of its first tensor, or the ``"count"`` the step returned (say
+the number of tokens its loss is the mean over). The loss and every metric the step returns are
+then averaged exactly: ``sum(value_b * count_b) / sum(count_b)`` over all ranks' batches.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Iterable, Sized
+from typing import Any, cast
 
 import torch
 from torch import nn
 
+from tandem._dist import gather_objects, group_size
+from tandem.data.eval_sampler import shard_range
 from tandem.metrics import Accuracy, Mean, reduce_sum
+from tandem.parallel.fsdp import FullyShardedDataParallel
+from tandem.train.step import BatchStep
 
 
 @torch.no_grad()
 def evaluate(
-    module: nn.Module,
+    model: nn.Module,
     batches: Iterable[Any],
-    loss_fn: Callable[[Any, Any], torch.Tensor],
-    device: torch.device,
+    step: BatchStep,
+    *,
+    forwards: int | None = None,
 ) -> dict[str, float | None]:
-    """Mean loss and (for class scores and integer targets) accuracy over all ranks.
+    """Mean loss, accuracy and the step's metrics over all ranks.
 
-    Call on every rank. Outputs count as class scores when they have one dimension more than
-    the targets and the targets are integers.
+    Call on every rank. With the default step the accuracy is counted when outputs are class
+    scores (one dimension more than the targets) for integer targets; a user's step returns it
+    as a metric (``{"loss": ..., "accuracy": ...}``), averaged like any other. A metric missing
+    from some batches is averaged over the batches that have it.
 
     Args:
-        module: the plain model (not the DDP wrapper: replicas are identical, and DDP's forward
-            prepares a backward that evaluation never runs).
-        batches: this rank's ``(inputs, targets)`` batches, e.g. a loader over an EvalSampler.
-        loss_fn: ``loss_fn(outputs, targets)``, the batch's mean loss.
-        device: where the module is.
+        model: the model to run: the plain module for replicated engines (replicas are
+            identical, and DDP's forward prepares a backward that evaluation never runs), the
+            FSDP wrapper for a sharded one (it gathers each unit's parameters).
+        batches: this rank's batches, e.g. a loader over an EvalSampler.
+        step: the run's evaluation step (device, precision, step function).
+        forwards: run the step at least this many times on every rank (a rank with fewer
+            batches repeats its last one, the results unused): an FSDP model gathers
+            parameters in every forward, a collective that all ranks must join, and a step
+            runs as many forwards on every rank.
 
     Returns:
-        ``{"eval_loss": mean loss, "eval_accuracy": accuracy or None}``, the same on every rank.
+        ``{"eval_loss": mean loss, "eval_accuracy": accuracy or None, "eval_NAME": ...}`` for
+        each metric ``NAME`` the step returned, the same on every rank.
 
     Example::
 
-        metrics = evaluate(model, DataLoader(test_set, 64, sampler=EvalSampler(test_set)),
-                           F.cross_entropy, tandem.world().device)
+        step = BatchStep(None, F.cross_entropy, Precision("32-true", "cpu"),
+                         torch.device("cpu"), role="eval_step")
+        metrics = evaluate(model, DataLoader(test_set, 64, sampler=EvalSampler(test_set)), step)
     """
-    was_training = module.training
-    module.eval()
+    was_training = model.training
+    model.eval()
     loss, accuracy = Mean(), Accuracy()
+    metrics: dict[str, Mean] = {}
+    done, last = 0, None
     try:
-        for inputs, targets in batches:
-            inputs, targets = inputs.to(device), targets.to(device)
-            outputs = module(inputs)
-            # A batch's mean loss, weighted by its size: the data set's mean, whatever the
+        for batch in batches:
+            out = step(model, batch)
+            done, last = done + 1, batch
+            # A batch's means, weighted by its count: the data set's means, whatever the
             # batches and shards.
-            loss.update(loss_fn(outputs, targets), weight=len(targets))
-            if outputs.dim() == targets.dim() + 1 and not targets.is_floating_point():
-                accuracy.update(outputs, targets)
+            loss.update(out.loss, weight=out.count)
+            for name, value in out.metrics.items():
+                metrics.setdefault(name, Mean()).update(value, weight=out.count)
+            if out.scores is not None:
+                outputs, targets = out.scores
+                if _class_scores(outputs, targets):
+                    accuracy.update(outputs, targets)
+        while forwards is not None and done < forwards:
+            assert last is not None, "the Trainer refuses FSDP evaluation with empty shards"
+            step(model, last)
+            done += 1
     finally:
-        module.train(was_training)
-    # Every rank must join the same reductions, so whether there is an accuracy is decided from
-    # the global count: a rank with an empty shard has seen no outputs to judge by.
+        model.train(was_training)
+    # Every rank must join the same reductions, so whether there is an accuracy, and which
+    # metrics there are, is decided from all ranks: a rank with an empty shard saw nothing.
     scored = reduce_sum(accuracy.count) > 0
-    return {"eval_loss": loss.compute(), "eval_accuracy": accuracy.compute() if scored else None}
+    result = {"eval_loss": loss.compute(), "eval_accuracy": accuracy.compute() if scored else None}
+    if step.fn is not None:  # the same on every rank: only a user's step has metrics
+        names = sorted({name for names in gather_objects(sorted(metrics)) for name in names})
+        for name in names:
+            result[f"eval_{name}"] = metrics.get(name, Mean()).compute()
+    return result
+
+
+def _class_scores(outputs: Any, targets: Any) -> bool:
+    return (
+        isinstance(outputs, torch.Tensor)
+        and isinstance(targets, torch.Tensor)
+        and outputs.dim() == targets.dim() + 1
+        and not targets.is_floating_point()
+    )
+
+
+def lockstep_forwards(model: nn.Module, eval_data: Any, batch_size: int) -> int | None:
+    """The evaluation steps every rank must run for ``model``: None (no rule) unless it is a
+    FullyShardedDataParallel model, whose forwards gather parameters (collectives); then rank
+    0's batch count, the largest, as EvalSampler gives the first ranks one sample more.
+
+    Raises:
+        ValueError: an FSDP model and fewer samples than ranks (a rank without a batch could
+            not join the forwards).
+
+    Example::
+
+        forwards = lockstep_forwards(fsdp_model, test_set, batch_size=64)
+    """
+    if eval_data is None or not isinstance(model, FullyShardedDataParallel):
+        return None
+    n, world = len(cast(Sized, eval_data)), group_size(model.process_group)
+    if n < world:
+        raise ValueError(
+            f"eval_data has {n} samples for {world} ranks: with a FullyShardedDataParallel "
+            "model every rank runs each evaluation forward, so every rank needs a sample; "
+            "evaluate a larger set, or on fewer processes"
+        )
+    return -(-len(shard_range(n, world, 0)) // batch_size)

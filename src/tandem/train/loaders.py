@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import hashlib
 import signal
-from collections.abc import Iterator, Sized
+from collections.abc import Callable, Iterator, Sized
 from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from tandem._profile import span
 from tandem.data.eval_sampler import EvalSampler
 from tandem.data.sampler import DistributedSampler
 from tandem.world import World
@@ -61,18 +62,31 @@ class Loaders:
         """The training batches of ``epoch`` still to come (all of them unless resuming)."""
         # A new shuffle each epoch; a position loaded from a checkpoint survives this call.
         self.sampler.set_epoch(epoch)
-        return self._iter(self.train, loader_seed(self.seed, epoch, self.rank))
+        return self._iter(self.train, loader_seed(self.seed, epoch, self.rank), "train")
 
     def eval_batches(self, epoch: int) -> Iterator[Any]:
         """This rank's evaluation batches, after ``epoch`` epochs of training."""
         assert self.eval is not None, "no evaluation data"
-        return self._iter(self.eval, loader_seed(self.seed, epoch, self.rank, "eval"))
+        return self._iter(self.eval, loader_seed(self.seed, epoch, self.rank, "eval"), "eval")
 
     @staticmethod
-    def _iter(loader: DataLoader, seed: int) -> Iterator[Any]:
+    def _iter(loader: DataLoader, seed: int, kind: str) -> Iterator[Any]:
         assert loader.generator is not None  # make_loaders gives each loader its own
         loader.generator.manual_seed(seed)
-        return iter(loader)
+        return _loading(iter(loader), kind)
+
+
+_END = object()
+
+
+def _loading(batches: Iterator[Any], kind: str) -> Iterator[Any]:
+    """``batches``, each one's loading a ``tandem.train.data`` span (profiler, trace)."""
+    while True:
+        with span("tandem.train.data", kind):
+            batch = next(batches, _END)
+        if batch is _END:
+            return
+        yield batch
 
 
 def make_loaders(
@@ -85,6 +99,7 @@ def make_loaders(
     seed: int,
     drop_last: bool,
     num_workers: int,
+    collate_fn: Callable[[list[Any]], Any] | None = None,
 ) -> Loaders:
     """Build this rank's loaders.
 
@@ -97,6 +112,9 @@ def make_loaders(
         seed: the sampler's shuffle seed and the base of the loader seeds.
         drop_last: cut the training set's tail instead of padding the ranks' shares.
         num_workers: worker processes per loader (0: load in this process).
+        collate_fn: makes a batch of a list of samples, for both loaders (torch's default
+            stacks tensors): a tokenizer's padding, a dataclass or any object a
+            ``training_step`` takes. It runs in the worker processes when there are any.
 
     Example::
 
@@ -105,7 +123,7 @@ def make_loaders(
         for x, y in loaders.epoch(0):
             ...
     """
-    workers: dict[str, Any] = {"num_workers": num_workers}
+    workers: dict[str, Any] = {"num_workers": num_workers, "collate_fn": collate_fn}
     if num_workers:
         workers["worker_init_fn"] = _quiet_worker
     sampler = DistributedSampler(

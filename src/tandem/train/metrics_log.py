@@ -1,5 +1,8 @@
 """The run's record: ``metrics.jsonl`` (one line per epoch), ``metrics.png``, the Summary.
 
+(The step log, a record every ``log_every`` optimizer steps, goes to the loggers of
+:mod:`tandem.train.loggers`; ``metrics.png`` is drawn from it when the run keeps one.)
+
 The history itself lives in the checkpoint, so a resumed run rewrites both files from it: an
 epoch run again after a resume from an earlier checkpoint replaces its old line instead of
 appearing twice. Both files are written to a temporary name and renamed, so a reader (or a
@@ -86,37 +89,57 @@ def write_metrics(run_dir: Path, history: Sequence[dict[str, Any]]) -> Path:
     return path
 
 
-def plot_metrics(run_dir: Path, history: Sequence[dict[str, Any]]) -> Path:
-    """Draw the loss curves (train, eval) and the eval accuracy per epoch to ``metrics.png``.
+def _series(records: Sequence[dict[str, Any]], x: str, y: str) -> tuple[list, list]:
+    points = [(r[x], r[y]) for r in records if r.get(y) is not None]
+    return [p[0] for p in points], [p[1] for p in points]
+
+
+def plot_metrics(
+    run_dir: Path, history: Sequence[dict[str, Any]], steps: Sequence[dict[str, Any]] = ()
+) -> Path:
+    """Draw the run's curves to ``run_dir/metrics.png``; return its path.
+
+    From the step log's records (``steps``, as ``steps.jsonl`` holds them) when there are any:
+    the training loss and the evaluation loss by optimizer step, the evaluation accuracy and
+    the learning rate where logged. Otherwise from the epoch records (``history``): the losses
+    and the accuracy by epoch.
 
     Raises:
         ImportError: matplotlib is missing (``pip install "tandem[plots]"``).
 
     Example::
 
-        plot_metrics(Path("runs/wine"), history)
+        plot_metrics(Path("runs/wine"), history, read_jsonl(Path("runs/wine/steps.jsonl")))
     """
     # Imported here: matplotlib is the optional "plots" extra, it takes a noticeable part of a
     # second to import, and only the main rank plots. A bare Figure renders with Agg and
     # touches no pyplot global state, so it works without a display and inside any application.
     Figure = require("matplotlib.figure", extra="plots").Figure
 
-    epochs = [r["epoch"] for r in history]
-    accuracy = [r.get("eval_accuracy") for r in history]
-    has_accuracy = any(a is not None for a in accuracy)
-    fig = Figure(figsize=(10 if has_accuracy else 5, 4), layout="constrained")
-    axes = fig.subplots(1, 2 if has_accuracy else 1, squeeze=False)[0]
-    axes[0].plot(epochs, [r["train_loss"] for r in history], marker=".", label="train loss")
-    eval_loss = [r.get("eval_loss") for r in history]
-    if any(v is not None for v in eval_loss):
-        axes[0].plot(epochs, eval_loss, marker=".", label="eval loss")
-    axes[0].set(xlabel="epoch", ylabel="loss", title="loss (mean over all ranks)")
-    axes[0].legend()
-    if has_accuracy:
-        axes[1].plot(epochs, accuracy, marker=".", color="tab:green")
-        axes[1].set(xlabel="epoch", ylabel="accuracy", title="eval accuracy", ylim=(0, 1.02))
-    for ax in axes:
+    by_step = any(r.get("loss") is not None for r in steps)
+    records, x, train = (steps, "step", "loss") if by_step else (history, "epoch", "train_loss")
+    panels = [("loss", "loss (mean over all ranks)")]
+    if any(r.get("eval_accuracy") is not None for r in records):
+        panels.append(("accuracy", "eval accuracy"))
+    if by_step and any(r.get("lr") is not None for r in records):
+        panels.append(("lr", "learning rate"))
+    fig = Figure(figsize=(5 * len(panels), 4), layout="constrained")
+    row = fig.subplots(1, len(panels), squeeze=False)[0]
+    axes = {name: ax for (name, _), ax in zip(panels, row, strict=True)}
+    for (name, title), ax in zip(panels, row, strict=True):
+        ax.set(xlabel=x, ylabel=name, title=title)
         ax.grid(alpha=0.3)
+    # Many step records make a line; a few epochs read better as points.
+    marker = "" if by_step and len(records) > 50 else "."
+    axes["loss"].plot(*_series(records, x, train), marker=marker, label="train loss")
+    if any(r.get("eval_loss") is not None for r in records):
+        axes["loss"].plot(*_series(records, x, "eval_loss"), marker=".", label="eval loss")
+    axes["loss"].legend()
+    if "accuracy" in axes:
+        axes["accuracy"].plot(*_series(records, x, "eval_accuracy"), marker=".", color="tab:green")
+        axes["accuracy"].set(ylim=(0, 1.02))
+    if "lr" in axes:
+        axes["lr"].plot(*_series(records, x, "lr"), color="tab:orange")
     path = run_dir / PLOT_FILE
     _replace(path, lambda f: fig.savefig(f, format="png", dpi=100))
     return path

@@ -1,22 +1,29 @@
-"""Rank 0's progress bar: one bar per epoch, showing loss, global samples/s and the time left.
+"""Rank 0's progress: one bar of optimizer steps for the whole run, or periodic lines.
 
 Only the main rank draws (``enabled``): N bars fighting over one terminal say nothing. The bar
-goes to stderr, so the per-epoch lines on stdout stay clean for logs and tests. The numbers it
-shows are global (summed over ranks by the Trainer's step agreement), not rank 0's own.
+counts optimizer steps out of the run's total (:attr:`Trainer.total_steps`; micro-batches of
+a gradient accumulation are one step), with the epoch, the loss, global samples/s and the time
+left. It goes to stderr, so the lines on stdout stay clean for logs and tests; lines printed
+while it is drawn go through :meth:`Progress.write`, which prints them above the bar.
 
-A bar needs a terminal: written to a pipe or a file (``tandem run`` relays output line by line,
-SLURM writes files) its carriage returns pile up into one endless line. There it becomes a
-plain line every ``LOG_INTERVAL_S`` seconds instead.
+A bar needs a terminal. Under ``tandem run`` the worker's stderr is a pipe to the launcher,
+which says whether its own console is a terminal (``TANDEM_CONSOLE_TTY=1``, with the width
+left after its ``[rank 0]`` prefix in ``TANDEM_CONSOLE_COLUMNS``) and relays the bar's
+carriage-return updates as they come (:mod:`tandem.launch.relay`). Written to a pipe or a file
+with no terminal behind it (CI, SLURM's output files) carriage returns pile up into one endless
+line: there the progress is a plain line every ``LOG_INTERVAL_S`` seconds instead.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 import warnings
 from typing import Any
 
 from tandem._optional import require
+from tandem.launch.relay import CONSOLE_COLUMNS, CONSOLE_TTY
 
 LOG_INTERVAL_S = 30.0
 
@@ -36,80 +43,120 @@ def _tqdm() -> Any:
         return None
 
 
-class Progress:
-    """Epoch bars (or, off a terminal, periodic lines) for a run with ``batches_left`` to go.
-
-    Args:
-        enabled: show progress (rank 0 with ``progress=True``); otherwise every call is a no-op.
-        batches_left: batches of this rank still to run before ``max_epochs``, for the time left.
+def terminal_width() -> int | None:
+    """The bar's width when stderr reaches a terminal: None where tqdm can ask the terminal
+    itself (stderr is one), the launcher's width under ``tandem run``, 0 for no terminal.
 
     Example::
 
-        progress = Progress(enabled=w.is_main, batches_left=epochs * len(loader))
+        width = terminal_width()   # 0 in CI: print lines
+    """
+    if sys.stderr.isatty():
+        return None
+    if os.environ.get(CONSOLE_TTY) == "1":
+        try:
+            return max(int(os.environ.get(CONSOLE_COLUMNS, "80")), 20)
+        except ValueError:
+            return 80
+    return 0
+
+
+class Progress:
+    """A bar of the run's optimizer steps (or, off a terminal, periodic lines).
+
+    Args:
+        enabled: show progress (rank 0 with ``progress=True``); otherwise every call is a no-op.
+        total_steps: optimizer steps of the whole run.
+        done: steps already taken (a resumed run's).
+
+    Example::
+
+        progress = Progress(enabled=w.is_main, total_steps=trainer.total_steps, done=0)
         progress.start_epoch(epoch=1, max_epochs=epochs, batches=len(loader), done=0)
         for ...:
-            progress.advance(1, loss=0.3, samples_per_s=5200.0)
-        progress.end_epoch()
+            progress.advance(1, batch=b, loss=0.3, samples_per_s=5200.0)
+        progress.write("epoch   1  loss 0.3000")      # above the bar
+        progress.close()
     """
 
-    def __init__(self, enabled: bool, batches_left: int) -> None:
+    def __init__(self, enabled: bool, total_steps: int, done: int = 0) -> None:
         self.enabled = enabled
-        self._left = batches_left
-        self._done = 0
+        self.total = total_steps
+        self.step = done
+        self._done_here = 0  # steps of this session: the pace for the time left
         self._since = time.monotonic()
-        self._bar: Any = None
-        self._tqdm: Any = _tqdm() if enabled and sys.stderr.isatty() else None
-        self._terminal = self._tqdm is not None
-        self._epoch = (0, 0, 0)  # epoch, max_epochs, batches in it
-        self._batch = 0
         self._logged = time.monotonic()
-
-    def start_epoch(self, epoch: int, max_epochs: int, batches: int, done: int) -> None:
-        """Open the bar of epoch ``epoch`` (counted from 1), ``done`` of ``batches`` already run."""
-        self._epoch, self._batch = (epoch, max_epochs, batches), done
-        if self.enabled and self._terminal:
-            self._bar = self._tqdm(
-                total=batches,
+        self._epoch: tuple[int, int | None, int] = (0, None, 0)  # epoch, max_epochs, batches
+        self._batch = 0
+        self._bar: Any = None
+        width = terminal_width() if enabled else 0
+        bar_cls = _tqdm() if width != 0 else None
+        if bar_cls is not None:
+            self._bar = bar_cls(
+                total=total_steps,
                 initial=done,
-                desc=f"epoch {epoch}/{max_epochs}",
-                unit="batch",
-                leave=False,  # the epoch's printed line replaces it
+                unit="step",
+                # "12/400 steps": what the bar counts, said on it.
+                bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} steps "
+                "[{elapsed}<{remaining}{postfix}]",
+                leave=False,  # the printed lines stay; the bar goes with the run
                 file=sys.stderr,
-                dynamic_ncols=True,
+                dynamic_ncols=width is None,
+                ncols=width,
                 mininterval=0.5,
             )
 
-    def advance(self, batches: int, loss: float | None, samples_per_s: float | None) -> None:
-        """Count ``batches`` more, showing the global running loss and throughput."""
-        self._left -= batches
-        self._done += batches
-        self._batch += batches
+    def start_epoch(self, epoch: int, max_epochs: int | None, batches: int, done: int) -> None:
+        """Epoch ``epoch`` (counted from 1) begins, ``done`` of its ``batches`` already run."""
+        self._epoch, self._batch = (epoch, max_epochs, batches), done
+        if self._bar is not None:
+            of = f"/{max_epochs}" if max_epochs is not None else ""
+            self._bar.set_description_str(f"epoch {epoch}{of}", refresh=False)
+
+    def advance(
+        self, steps: int, *, batch: int, loss: float | None, samples_per_s: float | None
+    ) -> None:
+        """Count ``steps`` optimizer steps more (the epoch is at ``batch``), showing the
+        global running loss and throughput."""
+        self.step += steps
+        self._done_here += steps
+        self._batch = batch
         now = time.monotonic()
         if not self.enabled or (self._bar is None and now - self._logged < LOG_INTERVAL_S):
             return
-        # Time left for the whole run, from this session's pace (evaluation time not included).
-        pace = (now - self._since) / self._done
         shown = {}
         if loss is not None:
             shown["loss"] = f"{loss:.4f}"
         if samples_per_s is not None:
             shown["samples/s"] = f"{samples_per_s:.0f}"
-        shown["left"] = _clock(pace * self._left)
         if self._bar is not None:
             self._bar.set_postfix(shown, refresh=False)
-            self._bar.update(batches)
+            self._bar.update(steps)  # tqdm redraws at most every mininterval
             return
         self._logged = now
-        epoch, max_epochs, total = self._epoch
+        # Time left for the whole run, from this session's pace (evaluation time included).
+        pace = (now - self._since) / self._done_here
+        shown["left"] = _clock(pace * max(self.total - self.step, 0))
+        epoch, max_epochs, batches = self._epoch
+        of = f"/{max_epochs}" if max_epochs is not None else ""
         fields = "  ".join(f"{k} {v}" for k, v in shown.items())
         print(
-            f"epoch {epoch}/{max_epochs}  batch {self._batch}/{total}  {fields}",
+            f"step {self.step}/{self.total}  epoch {epoch}{of}  batch {self._batch}/{batches}  "
+            f"{fields}",
             file=sys.stderr,
             flush=True,
         )
 
-    def end_epoch(self) -> None:
-        """Close the epoch's bar."""
+    def write(self, line: str) -> None:
+        """Print ``line`` on stdout (every rank may; on rank 0 above the bar)."""
+        if self._bar is not None:
+            self._bar.write(line, file=sys.stdout)
+            sys.stdout.flush()
+        else:
+            print(line, flush=True)
+
+    def close(self) -> None:
+        """Take the bar off the terminal (the run is over)."""
         if self._bar is not None:
             self._bar.close()
             self._bar = None

@@ -7,11 +7,13 @@ tensors, ints, floats, strings and None, so it survives a checkpoint loaded with
 ``torch.load(..., weights_only=True)``.
 
 Each rank has its own generator states; the Trainer captures them on every rank and saves the
-list, and each rank restores its own entry.
+list, and each rank restores its own entry. A rank that has no entry (a run resumed with more
+processes than saved it) seeds its generators from :func:`derived_seed` with :func:`seed_rng`.
 """
 
 from __future__ import annotations
 
+import hashlib
 import random
 import warnings
 from typing import Any
@@ -119,3 +121,47 @@ def _restore_cuda(saved: list[torch.Tensor]) -> None:
     # initialize CUDA either.
     if available:
         torch.cuda.set_rng_state_all([s.cpu().to(torch.uint8) for s in saved[:available]])
+
+
+def derived_seed(*parts: object) -> int:
+    """A non-negative 63-bit seed from ``parts``, the same in every process and Python run.
+
+    (Python's ``hash()`` of a string differs between processes; this does not.)
+
+    Example::
+
+        >>> derived_seed("tandem-rng", 0, 120, 3) == derived_seed("tandem-rng", 0, 120, 3)
+        True
+    """
+    digest = hashlib.sha256("/".join(str(p) for p in parts).encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def states_digest(states: list[dict[str, Any]]) -> str:
+    """A short hex digest of saved generator states (their torch CPU states, in order).
+
+    A part for :func:`derived_seed` that differs from checkpoint to checkpoint, so that ranks
+    added at a resume draw other numbers after each checkpoint, and the same after the same one.
+
+    Example::
+
+        seed = derived_seed("tandem.checkpoint.RNG", states_digest(saved), rank)
+    """
+    digest = hashlib.sha256()
+    for state in states:
+        digest.update(state["torch"].cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def seed_rng(seed: int) -> None:
+    """Seed Python's ``random``, NumPy's global generator and torch's CPU and CUDA generators.
+
+    ``torch.manual_seed`` seeds the CUDA generators lazily: CUDA is not initialized here.
+
+    Example::
+
+        seed_rng(derived_seed("tandem-rng", seed, step, rank))
+    """
+    random.seed(seed)
+    np.random.seed(seed % 2**32)  # NumPy's legacy seeds are 32-bit
+    torch.manual_seed(seed)

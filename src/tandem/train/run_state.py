@@ -14,9 +14,26 @@ the optimizer (the engine's, see :mod:`tandem.parallel.engine`):
 
 The shared part is :meth:`RunState.state_dict`; the per-rank part (RNG, loss sums) is
 :meth:`RunState.rank_state_dict`, which the checkpointer gathers from every rank and hands back
-to each rank with :meth:`RunState.load_rank_state_dict`. Stop and checkpoint requests
+with :meth:`RunState.load_rank_state_dicts`. Stop and checkpoint requests
 (:class:`tandem.train.requests.Requests`) live here too, but are never saved: a request is for
 this session.
+
+Resuming at another world size (a run saved by ``W`` processes continued by ``W'``) maps the
+state by these rules; the run continues, but **not bitwise**: the global batch, the batches'
+composition and the order of the gradient sums all change with ``W'``.
+
+- **Samples**: the ranks had trained on a prefix of the epoch's order (``position * W``
+  places, the sampler deals like cards); the rest of the epoch is dealt to the ``W'`` ranks
+  (:class:`tandem.data.DistributedSampler`), so no sample is repeated or skipped (apart from
+  the padding that makes the rest a multiple of ``W'``). The epoch's batch count restarts from
+  ``batches per epoch at W' - batches the rest makes``, so the loop's arithmetic holds.
+- **Steps, epoch, history, clock**: unchanged (they count the run, not the ranks).
+- **Loss sums**: the saved ranks' sums and counts are added up and given to rank 0, the other
+  ranks start from zero: the epoch's reported loss still averages every sample trained on.
+- **RNG**: rank ``r < W`` continues with saved rank ``r``'s generators; a rank ``r >= W`` seeds
+  Python's, NumPy's and torch's generators from ``(seed, step, r)`` (:func:`derived_seed`), so
+  a resumed run is deterministic too.
+- **Batch size and accumulation** may change along with the world size.
 """
 
 from __future__ import annotations
@@ -25,9 +42,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tandem.data.lookahead import position_vouched
 from tandem.data.sampler import DistributedSampler
 from tandem.train.requests import Requests
-from tandem.train.rng import capture_rng_state, restore_rng_state
+from tandem.train.rng import capture_rng_state, derived_seed, restore_rng_state, seed_rng
 
 
 class RunState:
@@ -42,9 +60,9 @@ class RunState:
     Example::
 
         run = RunState(sampler, world_size=2, batch_size=32, grad_accum_steps=1)
-        saved = run.state_dict(), run.rank_state_dict()
+        saved = run.state_dict(), [run.rank_state_dict()]      # every rank's, gathered
         run.load_state_dict(saved[0])
-        run.load_rank_state_dict(saved[1])
+        run.load_rank_state_dicts(saved[1], rank)
         run.restore_rng()          # just before training goes on
     """
 
@@ -59,14 +77,21 @@ class RunState:
         self.epoch = 0  # epochs completed = index of the epoch in progress
         self.step = 0  # optimizer steps taken
         self.batch = 0  # batches of the epoch in progress handed out
+        # The epoch in progress as the sampler deals it: the batch at which its dealing began
+        # and the places of its order trained on before (both 0 unless the epoch was resumed
+        # at another world size; see the module doc).
+        self.dealt_from = 0
+        self.offset = 0
         self.epoch_loss: list[float] = [0.0, 0]  # this rank's loss sum and sample count
         self.epoch_seconds = 0.0  # training time of the epoch in progress
         self.history: list[dict[str, Any]] = []
         self.last_checkpoint: Path | None = None
+        self.saved_world_size: int | None = None  # of the checkpoint resumed from, if any
         self.requests = Requests()
         self._elapsed_before = 0.0  # seconds of training in earlier sessions of the run
         self._session_start = time.monotonic()
-        self._rng: dict[str, Any] | None = None  # restored by restore_rng()
+        # Restored by restore_rng(): saved generator states, or a seed to derive them from.
+        self._rng: dict[str, Any] | int | None = None
 
     # -- the clock ------------------------------------------------------------------------
 
@@ -89,24 +114,31 @@ class RunState:
         """Close the epoch in progress: ``record`` joins the history; counts start over."""
         self.history.append(record)
         self.epoch, self.batch = self.epoch + 1, 0
+        self.dealt_from = self.offset = 0
         self.epoch_loss, self.epoch_seconds = [0.0, 0], 0.0
 
     # -- state ----------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
         """The part every rank shares (rank 0's is saved)."""
-        # The one rule for where the sampler stands: the batches the run has consumed.
-        position = min(self.batch * self.batch_size, len(self.sampler))
+        # The one rule for where the sampler stands: the batches the run has consumed of the
+        # sampler's dealing (its own count runs ahead by what the loader prefetched).
+        consumed = (self.batch - self.dealt_from) * self.batch_size
+        position = min(consumed, self.sampler.current_len())
+        with position_vouched():
+            sampler = self.sampler.state_dict()
+        sampler.update(epoch=self.epoch, position=position, offset=self.offset)
         return {
             "world_size": self.world_size,
             "epoch": self.epoch,
             "step": self.step,
             "batch": self.batch,
+            "dealt_from": self.dealt_from,
             "batch_size": self.batch_size,
             "grad_accum_steps": self.grad_accum_steps,
             "epoch_seconds": self.epoch_seconds,
             "elapsed": self.elapsed_seconds(),
-            "sampler": {**self.sampler.state_dict(), "epoch": self.epoch, "position": position},
+            "sampler": sampler,
             "history": list(self.history),
         }
 
@@ -117,17 +149,13 @@ class RunState:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from ``state``; ValueError (on every rank alike) if this run cannot.
 
-        Another world size cannot continue (the sampler's position and the RNG states are per
-        rank of the saved world), and an epoch saved in its middle must be finished with the
-        same batch size and accumulation, or its rest would be split differently.
+        At the same world size an epoch saved in its middle must be finished with the same
+        batch size and accumulation, or its rest would be split differently from the
+        uninterrupted run's. At another world size the rest of the epoch is dealt anew (see
+        the module doc): nothing there could be bitwise, so those may change too.
         """
-        if state["world_size"] != self.world_size:
-            raise ValueError(
-                f"was written by a run of {state['world_size']} process(es); this run has "
-                f"{self.world_size}. Resume with {state['world_size']} processes, or start a "
-                "new run (resume=None) from its weights"
-            )
-        if state["batch"]:
+        resized = state["world_size"] != self.world_size
+        if state["batch"] and not resized:
             for name in ("batch_size", "grad_accum_steps"):
                 if state[name] != getattr(self, name):
                     raise ValueError(
@@ -137,7 +165,18 @@ class RunState:
                         "at an epoch's end"
                     )
         self.sampler.load_state_dict(state["sampler"])
-        self.epoch, self.step, self.batch = state["epoch"], state["step"], state["batch"]
+        with position_vouched():
+            self.offset = self.sampler.state_dict()["offset"]
+        self.epoch, self.step = state["epoch"], state["step"]
+        if resized:
+            # The loop counts batches up to the epoch's count at this world size: start it
+            # where the batches the rest of the epoch makes here are exactly those left.
+            per_epoch = -(-len(self.sampler) // self.batch_size)
+            left = -(-self.sampler.current_len() // self.batch_size)
+            self.batch = self.dealt_from = per_epoch - left
+        else:
+            self.batch, self.dealt_from = state["batch"], state.get("dealt_from", 0)
+        self.saved_world_size = state["world_size"]
         self.epoch_seconds = state["epoch_seconds"]
         self._elapsed_before, self._session_start = state["elapsed"], time.monotonic()
         self.history = list(state["history"])
@@ -147,8 +186,32 @@ class RunState:
         self.epoch_loss = list(state["epoch_loss"])
         self._rng = state["rng"]
 
+    def load_rank_state_dicts(self, states: list[dict[str, Any]], rank: int) -> None:
+        """Take this rank's part of every saved rank's, in rank order, at any world size.
+
+        The saved world's size is ``len(states)``; at this world size each rank takes its own
+        entry, at another one the module doc's rules apply (loss sums added up on rank 0,
+        generators continued or derived). Call after :meth:`load_state_dict`.
+
+        Example::
+
+            run.load_rank_state_dicts(checkpoint["trainer"]["ranks"], tandem.world().rank)
+        """
+        if len(states) == self.world_size:
+            self.load_rank_state_dict(states[rank])
+            return
+        # Sums over ranks are what the epoch's end reduces: rank 0 carries the saved ones.
+        sums = [sum(values) for values in zip(*(s["epoch_loss"] for s in states), strict=True)]
+        self.epoch_loss = sums if rank == 0 else [type(v)(0) for v in sums]
+        if rank < len(states):
+            self._rng = states[rank]["rng"]
+        else:
+            self._rng = derived_seed("tandem-rng", self.sampler.seed, self.step, rank)
+
     def restore_rng(self) -> None:
         """Put back the loaded RNG states, once: call just before training goes on."""
-        if self._rng is not None:
+        if isinstance(self._rng, int):
+            seed_rng(self._rng)
+        elif self._rng is not None:
             restore_rng_state(self._rng)
-            self._rng = None
+        self._rng = None

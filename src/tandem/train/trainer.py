@@ -2,17 +2,22 @@
 
 The loop, as its steps::
 
-    train()                                   every rank, in lock step
-      for each epoch left:
-        _run_epoch(epoch)                     sampler.set_epoch(epoch), then per optimizer step:
-          _run_batch(x, y) x grad_accum_steps   forward, backward (no_sync but the last)
-          _optimizer_step()                     step, zero_grad, scheduler (per step)
-          agree on requests                     one tiny all-reduce; save / stop if asked
-        _end_epoch()                          loss over ranks, exact evaluation, metrics files
-        save every `save_every` epochs        rank 0 writes, after gathering every rank's RNG
+    train()                                   every rank, in lock step, until max_epochs or
+      for each epoch left:                    max_steps (the first reached; plan.py)
+        _run_epoch(plan)                      sampler.set_epoch(epoch), then per optimizer step:
+          _run_batch(batch) x grad_accum_steps  step.BatchStep: move, forward + loss under
+                                                the precision; backward (no_sync but the last)
+          _optimizer_step()                     step.Update: unscale, clip, step, zero_grad;
+                                                the scheduler (per step)
+          _step_boundary()                      agree (requests, loss sums), evaluate, log,
+                                                save, stop: each when the plan says
+        _end_epoch()                          the same at the epoch's last step, with the
+                                              epoch's record, its evaluation, metrics files
 
-The Trainer talks to the model's engine only through :class:`tandem.parallel.engine.Engine`
-(sync, clip, save, load), keeps where the run stands in one
+The per-batch step (precision, scaler, clipping, any batch structure) is
+:mod:`tandem.train.step`; the arguments' checks and the optimizer and scheduler factories
+:mod:`tandem.train.arguments`. The Trainer talks to the model's engine only through
+:class:`tandem.parallel.engine.Engine` (sync, clip, save, load), keeps where the run stands in one
 :class:`tandem.train.run_state.RunState`, and hands both to the
 :class:`tandem.train.checkpointer.Checkpointer`. A resumed run ends bitwise where the
 uninterrupted run would: :mod:`tandem.train.run_state` says which pieces that takes and why.
@@ -21,8 +26,7 @@ uninterrupted run would: :mod:`tandem.train.run_state` says which pieces that ta
 from __future__ import annotations
 
 import time
-import warnings
-from collections.abc import Callable, Sized
+from collections.abc import Callable, Sequence, Sized
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Literal, cast
@@ -32,120 +36,181 @@ from torch import nn
 from torch.utils.data import Dataset
 
 import tandem
+from tandem.doctor import steps
+from tandem.doctor import trace as tracing
 from tandem.parallel.engine import make_engine
+from tandem.train import arguments
+from tandem.train.arguments import OptimizerArg, SchedulerArg
+from tandem.train.boundaries import Boundaries
 from tandem.train.checkpointer import Checkpointer, check_writable
-from tandem.train.collective import wait_for_all
-from tandem.train.evaluation import evaluate
+from tandem.train.evaluation import lockstep_forwards
 from tandem.train.loaders import make_loaders
-from tandem.train.metrics_log import Summary, epoch_line, plot_metrics, write_metrics
+from tandem.train.loggers import LoggerArg, check_loggers
+from tandem.train.metrics_log import Summary
+from tandem.train.plan import RunPlan
+from tandem.train.precision import ScalerState, resolve_precision
 from tandem.train.progress import Progress
 from tandem.train.requests import Agreement
 from tandem.train.run_state import RunState
+from tandem.train.step import StepFn, Update, check_clip, make_steps
+from tandem.train.step_log import RunLog, lr_of
+
+PrecisionName = Literal["32-true", "bf16-mixed", "fp16-mixed", "bf16-true"]
 
 
-class Trainer:
+class Trainer(Boundaries):
     """Train a model data-parallel: the same script on one process, one machine or many nodes.
 
     Calls ``tandem.init()`` (nothing happens if the script already has). With more than one
-    rank the model is wrapped in :class:`tandem.DDP` (kept plain with one).
-    Training data goes through a :class:`tandem.data.DistributedSampler` (``set_epoch`` is
-    called for you), evaluation through the exact :class:`tandem.data.EvalSampler` and
-    :mod:`tandem.metrics`, so reported metrics equal one process's. Rank 0 prints a line per
-    epoch (``epoch   E  loss L  test accuracy A``), draws a progress bar, and writes
-    ``run_dir/metrics.jsonl``, ``run_dir/metrics.png`` and the checkpoints.
+    rank the model is wrapped in :class:`tandem.DDP` (kept plain with one); a model wrapped in
+    :class:`tandem.FullyShardedDataParallel` is taken as it is, and a
+    :class:`tandem.ShardedOptimizer` works as any optimizer. Training data goes through a
+    :class:`tandem.data.DistributedSampler` (``set_epoch`` is called for you), evaluation
+    through the exact :class:`tandem.data.EvalSampler` and :mod:`tandem.metrics`, so reported
+    metrics equal one process's. Rank 0 prints a line per epoch, draws a bar of the run's
+    optimizer steps (:attr:`total_steps`), logs a record every ``log_every`` steps to the
+    ``loggers``, and writes ``run_dir/metrics.jsonl`` (per epoch), ``metrics.png`` and the
+    checkpoints.
 
-    Checkpoints are written every ``save_every`` epochs, at the end of training, and at the next
+    A run lasts ``max_epochs`` epochs or ``max_steps`` optimizer steps, whichever comes first
+    (it may end in the middle of an epoch). Checkpoints are written every ``save_every`` epochs
+    and every ``save_every_steps`` steps, at the end of training, and at the next
     step boundary after SIGTERM (then ``train()`` returns, ``stopped_by="SIGTERM"``) or SIGUSR1
-    (training goes on), all ranks agreeing on the step first. The newest ``keep_checkpoints``
-    are kept. ``resume="latest"`` continues from the newest one, if there is one: model,
-    optimizer, scheduler, grad scaler, epoch, step, the sampler's place in the epoch, every
-    rank's RNG states and tandem.DDP's bucket order, so the run ends bitwise where the
+    (training goes on), all ranks agreeing on the step first. ``resume="latest"`` continues from
+    the newest one: model, optimizer, scheduler, grad scaler, epoch, step, the sampler's place,
+    every rank's RNG states and tandem.DDP's bucket order, so the run ends bitwise where the
     uninterrupted run would.
 
-    Batches are ``(inputs, targets)``; ``loss_fn(model(inputs), targets)`` is the batch's mean
-    loss. Evaluation reports the mean loss and, when outputs are class scores for integer
-    targets, the accuracy.
-
-    Data loading: ``num_workers=0`` by default, which keeps every draw in this process's saved
-    generators. With workers, their seeds derive from (``seed``, epoch, rank, worker) only,
-    and a random transform repeats after a mid-epoch resume only if it is seeded per sample
-    (see :mod:`tandem.train.loaders`).
+    Batches: by default ``(inputs, targets)``, and ``loss_fn(model(inputs), targets)`` is the
+    batch's mean loss (evaluation adds the accuracy when outputs are class scores for integer
+    targets). Any other structure (dicts, tuples of any length, namedtuples, dataclasses,
+    objects with a ``to`` method) is moved to the device whole and given to ``training_step``.
+    A batch weighs its count in the epoch's loss, in samples/s and in evaluation's averages:
+    the leading dimension of its first tensor, or the ``"count"`` the step returns (the tokens
+    a loss is the mean over). See :mod:`tandem.train.step`.
 
     Args:
         model: the model (moved to ``tandem.world().device``).
-        optimizer: an optimizer over ``model``'s parameters.
-        train_data: training data set of ``(inputs, targets)`` items.
-        loss_fn: ``loss_fn(outputs, targets) -> scalar`` mean loss of a batch.
-        eval_data: held-out data set evaluated after every epoch (printed as "test").
-        max_epochs: epochs to train in all (a resumed run continues to this number).
-        save_every: write a checkpoint every this many epochs (and after the last).
+        optimizer: an optimizer over ``model``'s parameters, or a factory ``params ->
+            optimizer`` called with them (an FSDP model's: its shards) once the model is on its
+            device and in its precision (:mod:`tandem.train.arguments`).
+        train_data: training data set.
+        loss_fn: ``loss_fn(outputs, targets) -> scalar`` mean loss of an ``(inputs, targets)``
+            batch (the default step); needed unless ``training_step`` is given.
+        eval_data: held-out data set evaluated after every epoch (printed as "test") and every
+            ``eval_every`` steps.
+        max_epochs: epochs to train in all (a resumed run continues to this number); None:
+            no limit, ``max_steps`` ends the run. One of the two is needed.
+        max_steps: optimizer steps to train in all, or None (:mod:`tandem.train.plan`).
+        save_every: write a checkpoint every this many epochs; None: every epoch, unless
+            ``save_every_steps`` is given. The end of the run is always saved.
+        save_every_steps: write a checkpoint every this many optimizer steps, or None.
+        eval_every: evaluate every this many optimizer steps too (results to the loggers).
+        log_every: a step log record every this many optimizer steps: loss (over all ranks and
+            the steps since the last record), lr, grad norm (with ``clip_grad_norm``),
+            samples/s, tokens/s (if the step returns ``"tokens"``), fp16's skipped steps
+            (:mod:`tandem.train.step_log`); None: no records.
+        loggers: where records and evaluations go, on rank 0: ``"csv"``, ``"jsonl"`` (files
+            ``steps.csv``, ``steps.jsonl`` in ``run_dir``), ``"tensorboard"`` (``run_dir/
+            tensorboard``; ``tandem[tensorboard]``), objects with ``log_metrics(metrics,
+            step)`` (:mod:`tandem.train.loggers`). Default ``["csv", "jsonl"]``; a resumed
+            run appends from its checkpoint's step.
         batch_size: samples per rank per micro-batch; the global batch of one optimizer step is
             ``batch_size * world_size * grad_accum_steps``.
-        run_dir: directory for checkpoints and metrics; created, and checked writable on rank 0
-            before anything else happens.
-        scheduler: an LR scheduler, stepped every epoch or every step (``scheduler_interval``).
-        scheduler_interval: ``"epoch"`` or ``"step"``.
+        run_dir: directory for checkpoints and metrics (created; checked writable at once).
+        scheduler: an LR scheduler, or a factory ``optimizer -> scheduler``; stepped every epoch
+            or every optimizer step (``scheduler_interval``: ``"epoch"`` or ``"step"``).
         grad_accum_steps: micro-batches per optimizer step (gradients summed locally, one
             all-reduce); an epoch's last step takes the micro-batches that are left.
-        resume: ``None`` (start fresh), ``"latest"`` (the newest checkpoint in ``run_dir`` if
-            there is one, else start fresh: the same command line starts and restarts a job),
-            or the path of a checkpoint file or run directory (must exist).
-        scaler: a ``torch.amp.GradScaler`` for mixed precision (the model's forward runs under
-            autocast); it scales the loss, steps the optimizer, and is saved with checkpoints.
+        resume: ``None`` (start fresh), ``"latest"`` (the newest checkpoint in ``run_dir``, if
+            any: one command line starts and restarts a job), or a checkpoint or run directory.
+            At the same world size the resumed run ends bitwise where the uninterrupted one
+            would; at another (a 2-process run continued on 1, 3 or 4) the rest of the epoch is
+            dealt anew to the new ranks, none repeated or skipped, but sums are taken in
+            another order and batches composed differently, so it cannot be bitwise.
+        precision: ``"32-true"``, ``"bf16-mixed"``, ``"fp16-mixed"`` or ``"bf16-true"``
+            (:mod:`tandem.train.precision`). Mixed: forward and loss under ``torch.autocast``
+            on the run's device (evaluation too); fp16 with a GradScaler made for you, saved
+            with checkpoints, its skipped steps counted (:attr:`skipped_steps`). bf16-true:
+            floating parameters, buffers and batch tensors in bfloat16. With an FSDP model a
+            mixed precision is autocast only: the wrapper gathers and reduces in its own
+            dtypes. Default ``"32-true"``, or ``"fp16-mixed"`` when ``scaler`` is given.
+        scaler: your own ``torch.amp.GradScaler`` for ``"fp16-mixed"`` (another
+            ``init_scale``, say); with any other precision a ValueError.
+        clip_grad_norm: before every optimizer step, clip the gradient to this norm over all
+            parameters of all ranks and shards (after unscaling under fp16), as
+            ``torch.nn.utils.clip_grad_norm_`` on one process; see :attr:`last_grad_norm`.
+        training_step: ``training_step(model, batch) -> loss | dict`` with ``"loss"`` (other
+            entries are metrics, ``"count"`` the batch's weight); ``model`` as forward must call
+            it (tandem.DDP, FSDP), ``batch`` on the device. Replaces the default step.
+        eval_step: the same for evaluation (no grad; ``model`` the plain module, or the FSDP
+            wrapper); metrics are reported as ``eval_NAME``, averaged exactly over the set.
+            Default: the default step with ``loss_fn``, else ``training_step``.
         eval_batch_size: evaluation batch size per rank (default ``batch_size``).
         seed: seed of the sampler's shuffle and of the loaders' generators.
-        drop_last: the sampler cuts the data set's tail instead of padding (see
-            :class:`tandem.data.DistributedSampler`).
-        num_workers: DataLoader worker processes per rank (see "Data loading" above).
+        drop_last: the sampler cuts the data set's tail instead of padding the ranks' shares.
+        num_workers: DataLoader worker processes per rank; 0 keeps every draw in this process's
+            saved generators (with workers, see :mod:`tandem.train.loaders`).
         keep_checkpoints: how many checkpoints to keep.
-        check_every: agree on stop/save requests every this many optimizer steps (one
-            all-reduce of five numbers each time), and at every epoch's end.
-        progress: draw rank 0's progress bar.
+        check_every: agree on stop/save requests every this many optimizer steps (one small
+            all-reduce), at every log step and at every epoch's end.
+        progress: draw rank 0's progress bar (periodic lines off a terminal).
         ddp_kwargs: extra arguments for :class:`tandem.DDP` (``find_unused_parameters``, ...).
-        checkpoint_format: ``"full"`` (rank 0 writes one file; a sharded model and optimizer
-            are gathered into a plain ``state_dict()`` that loads at any world size) or
-            ``"sharded"`` (each rank also writes its own shards, nothing is gathered; loads at
-            the same world size). Sharded needs a :class:`tandem.FullyShardedDataParallel`
-            model or a :class:`tandem.ShardedOptimizer`; see :mod:`tandem.parallel.engine`.
-
-    Sharded training: pass a model already wrapped in :class:`tandem.FullyShardedDataParallel`
-    with an optimizer over its ``parameters()`` (it is not wrapped in DDP again), or a plain
-    model with a :class:`tandem.ShardedOptimizer` (wrapped in DDP as usual).
+        checkpoint_format: ``"full"`` (rank 0 writes one file, gathered, loadable at any world
+            size) or ``"sharded"`` (each rank also writes its own shards, resharded on a resume at
+            another world size, which needs every rank's shard files visible, e.g. a shared
+            file system; needs an FSDP model or a ShardedOptimizer); see
+            :mod:`tandem.parallel.engine`.
+        trace: a directory for every rank's timeline, merged into a Chrome ``trace.json`` at
+            the end of ``train()`` (:mod:`tandem.doctor.trace`).
 
     Raises:
-        ValueError: a bad argument, a ``run_dir`` that cannot be written, or a checkpoint that
-            does not fit this run (another world size, model or scheduler); raised on every rank.
-        CheckpointError: the checkpoint to resume from is missing, corrupt or truncated (the
-            message names it and the other checkpoints); raised on every rank.
+        ValueError: a bad argument (an unknown precision, ``clip_grad_norm <= 0``, neither
+            ``max_epochs`` nor ``max_steps``, an optimizer factory over other parameters,
+            ...), a ``run_dir`` that cannot be written, or a
+            checkpoint that does not fit this run; on every rank, before the first step. At the
+            first step: a batch the default step cannot split, a step that returns no loss.
+        CheckpointError: the checkpoint to resume from is missing, corrupt or truncated
+            (named, with the other checkpoints); raised on every rank.
 
     Example::
 
         tandem.init()
-        trainer = Trainer(model, torch.optim.AdamW(model.parameters()), train_set,
-                          loss_fn=F.cross_entropy, eval_data=test_set, max_epochs=30,
-                          save_every=5, batch_size=32, run_dir="runs/exp1", resume="latest")
+        trainer = Trainer(model, lambda params: torch.optim.AdamW(params, lr=3e-4), train_set,
+                          loss_fn=F.cross_entropy, eval_data=test_set, max_steps=5000,
+                          eval_every=500, save_every_steps=1000, batch_size=32,
+                          run_dir="runs/exp1", resume="latest", precision="bf16-mixed",
+                          clip_grad_norm=1.0, loggers=["csv", "jsonl", "tensorboard"])
         summary = trainer.train()
-        print(summary.eval_accuracy)
         tandem.shutdown()
     """
 
     def __init__(
         self,
         model: nn.Module,
-        optimizer: torch.optim.Optimizer,
+        optimizer: OptimizerArg,
         train_data: Dataset,
         *,
-        loss_fn: Callable[[Any, Any], torch.Tensor],
+        loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
         eval_data: Dataset | None = None,
-        max_epochs: int,
-        save_every: int,
+        max_epochs: int | None = None,
+        max_steps: int | None = None,
+        save_every: int | None = None,
+        save_every_steps: int | None = None,
+        eval_every: int | None = None,
+        log_every: int | None = 10,
+        loggers: Sequence[LoggerArg] | None = None,
         batch_size: int,
         run_dir: str | Path,
-        scheduler: Any = None,
+        scheduler: SchedulerArg = None,
         scheduler_interval: Literal["epoch", "step"] = "epoch",
         grad_accum_steps: int = 1,
         resume: str | Path | None = None,
+        precision: PrecisionName | None = None,
         scaler: torch.amp.GradScaler | None = None,
+        clip_grad_norm: float | None = None,
+        training_step: StepFn | None = None,
+        eval_step: StepFn | None = None,
         eval_batch_size: int | None = None,
         seed: int = 0,
         drop_last: bool = False,
@@ -155,62 +220,83 @@ class Trainer:
         progress: bool = True,
         ddp_kwargs: dict[str, Any] | None = None,
         checkpoint_format: Literal["full", "sharded"] = "full",
+        trace: str | Path | None = None,
     ) -> None:
-        for name, value, least in (
-            ("max_epochs", max_epochs, 0),
-            ("save_every", save_every, 1),
-            ("batch_size", batch_size, 1),
-            ("grad_accum_steps", grad_accum_steps, 1),
-            ("num_workers", num_workers, 0),
-            ("keep_checkpoints", keep_checkpoints, 1),
-            ("check_every", check_every, 1),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < least:
-                raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
-        if scheduler_interval not in ("epoch", "step"):
-            raise ValueError(
-                f"scheduler_interval must be 'epoch' or 'step', not {scheduler_interval!r}"
-            )
+        # Checks that need no process group first: the same verdict on every rank, at once.
+        self.plan = RunPlan.from_args(
+            max_epochs=max_epochs,
+            max_steps=max_steps,
+            save_every=save_every,
+            save_every_steps=save_every_steps,
+            eval_every=eval_every,
+            log_every=log_every,
+            check_every=check_every,
+        )
+        arguments.check_counts(
+            batch_size=(batch_size, 1),
+            grad_accum_steps=(grad_accum_steps, 1),
+            num_workers=(num_workers, 0),
+            keep_checkpoints=(keep_checkpoints, 1),
+        )
+        arguments.check_choices(scheduler_interval=(scheduler_interval, ("epoch", "step")))
         if eval_data is not None and len(cast(Sized, eval_data)) == 0:
             raise ValueError("eval_data is empty (len 0): there is nothing to evaluate")
+        if eval_every is not None and eval_data is None:
+            raise ValueError(f"eval_every={eval_every!r} needs eval_data: there is nothing to "
+                             "evaluate")  # fmt: skip
+        logger_args = check_loggers(loggers)
+        arguments.check_callables(optimizer, scheduler, loss_fn, training_step, eval_step)
+        self.clip_grad_norm = check_clip(clip_grad_norm)
 
         self.world = tandem.init()  # a no-op when the script already called it
+        mode, scaler = resolve_precision(precision, scaler, model, self.world.device)
+        self.trace = tracing.start(trace) if trace is not None else None
+        self._steps = steps.clock("tandem.Trainer optimizer steps", priority=0)
         self.run_dir = Path(run_dir)
         self.loss_fn = loss_fn
-        self.max_epochs = max_epochs
-        self.save_every = save_every
-        self.scheduler = scheduler
         self.scheduler_interval = scheduler_interval
         self.scaler = scaler
+        self._scaler_state = ScalerState(scaler) if scaler is not None else None
         self.grad_accum_steps = grad_accum_steps
-        self.check_every = check_every
         self.show_progress = progress
+        # On its device and in its precision before the optimizer is built over it and the
+        # engine lays out its buckets for its dtype.
+        model = model.to(self.world.device)
+        mode.convert_module(model)
         # The model as forward calls it (tandem.DDP when world > 1), its optimizer, and how
         # they sync, clip and save: the Trainer never asks which engine it is.
         self.engine = make_engine(
-            model.to(self.world.device),
-            optimizer,
+            model,
+            arguments.build_optimizer(optimizer, model),
             ddp_kwargs=ddp_kwargs,
             checkpoint_format=checkpoint_format,
             scaler=scaler,
         )
+        self.scheduler = arguments.build_scheduler(scheduler, self.engine.optimizer)
+        self.precision = mode.name
+        self._train_step, self._eval_step = make_steps(
+            training_step, eval_step, loss_fn, mode, self.world.device
+        )
+        self._update = Update(self.engine, self._scaler_state, self.clip_grad_norm)
         self.checkpointer = Checkpointer(
             self.run_dir, keep=keep_checkpoints, kind=checkpoint_format
         )
         check_writable(self.run_dir)
 
+        eval_batch_size = eval_batch_size or batch_size
         self.loaders = make_loaders(
             self.world,
             train_data,
             eval_data,
             batch_size=batch_size,
-            eval_batch_size=eval_batch_size or batch_size,
+            eval_batch_size=eval_batch_size,
             seed=seed,
             drop_last=drop_last,
             num_workers=num_workers,
         )
         self.sampler = self.loaders.sampler  # its len() is this rank's samples per epoch
         self.train_loader, self.eval_loader = self.loaders.train, self.loaders.eval
+        self._eval_forwards = lockstep_forwards(self.model, eval_data, eval_batch_size)
         # Where the run stands; the checkpointer saves it with the engine and these objects.
         self.state = RunState(
             self.sampler,
@@ -218,69 +304,21 @@ class Trainer:
             batch_size=batch_size,
             grad_accum_steps=grad_accum_steps,
         )
+        self.log = RunLog(self.run_dir, logger_args, main=self.world.is_main)
+        self._lr: float | None = None  # of the last optimizer step, for the step log
         if resume is not None:
             self._resume(resume)
+        self.log.open(start_step=self.state.step)  # a resumed run's logs cut back to its step
 
-    @property
-    def model(self) -> nn.Module:
-        """The model as forward calls it: tandem.DDP, FSDP, or the plain module (one rank)."""
-        return self.engine.model
-
-    @property
-    def module(self) -> nn.Module:
-        """The user's module, unwrapped."""
-        return self.engine.module
-
-    @property
-    def optimizer(self) -> torch.optim.Optimizer:
-        return self.engine.optimizer
-
-    @property
-    def epoch(self) -> int:
-        """Epochs completed (the index of the epoch in progress)."""
-        return self.state.epoch
-
-    @property
-    def step(self) -> int:
-        """Optimizer steps taken."""
-        return self.state.step
-
-    @property
-    def history(self) -> list[dict[str, Any]]:
-        """One record per completed epoch (what ``metrics.jsonl`` holds)."""
-        return self.state.history
-
-    @property
-    def last_checkpoint(self) -> Path | None:
-        """The newest checkpoint this run wrote or resumed from."""
-        return self.state.last_checkpoint
-
-    def _stateful(self) -> dict[str, Any]:
-        return {"trainer": self.state, "scheduler": self.scheduler, "scaler": self.scaler}
-
-    def _resume(self, resume: str | Path) -> None:
-        path = self.checkpointer.resume(self.engine, self._stateful(), resume)
-        if path is None:
-            return
-        state = self.state
-        state.last_checkpoint = path
-        if self.world.is_main:
-            # Drop the lines of epochs after the checkpoint (a resume from an older one).
-            write_metrics(self.run_dir, state.history)
-            print(
-                f"resumed from {path}: epoch {state.epoch + 1}, batch {state.batch}, "
-                f"step {state.step}",
-                flush=True,
-            )
-
-    def train(self, max_epochs: int | None = None) -> Summary:
-        """Train until ``max_epochs`` (default: the constructor's), or a stop request.
+    def train(self, max_epochs: int | None = None, max_steps: int | None = None) -> Summary:
+        """Train until ``max_epochs`` or ``max_steps`` (default: the constructor's), or a stop.
 
         Call on every rank. Returns early, after saving, when SIGTERM arrives or
         :meth:`request_stop` is called on any rank.
 
         Args:
             max_epochs: overrides the constructor's ``max_epochs`` for this call.
+            max_steps: overrides the constructor's ``max_steps`` for this call.
 
         Example::
 
@@ -288,171 +326,72 @@ class Trainer:
             if summary.stopped_by:  # preempted: the job can exit, a restart resumes
                 sys.exit(0)
         """
-        max_epochs = self.max_epochs if max_epochs is None else max_epochs
+        plan = self.plan.limited(max_epochs, max_steps)
         run = self.state
-        per_epoch = len(self.train_loader)
-        left = max(max_epochs - run.epoch, 0) * per_epoch - run.batch
-        self.progress = Progress(self.show_progress and self.world.is_main, left)
+        shown = self.show_progress and self.world.is_main
+        self.progress = Progress(shown, self._total_steps(plan), done=run.step)
         run.restore_rng()  # here, not at load time: nothing between load and this may draw
         self.optimizer.zero_grad()
         run.start_session()
         stopped: Agreement | None = None
         with run.requests.signals():
-            while run.epoch < max_epochs and stopped is None:
-                stopped = self._run_epoch(run.epoch, max_epochs)
-                if stopped is None:
-                    agreed = self._end_epoch()
-                    if agreed.save or run.epoch % self.save_every == 0 or run.epoch == max_epochs:
-                        self._save()
-                    stopped = agreed if agreed.stop else None
+            while not plan.finished(epoch=run.epoch, step=run.step) and stopped is None:
+                stopped = self._run_epoch(plan)
         run.end_session()
-        if stopped is not None and self.world.is_main:
+        self.progress.close()
+        if self.world.is_main and (stopped is not None or run.batch):
+            why = f"stopped by {stopped.reason}" if stopped else f"max_steps {plan.max_steps} done"
             print(
-                f"stopped by {stopped.reason} at epoch {run.epoch + 1} step {run.step} "
-                f"(batch {run.batch} of {per_epoch}); checkpoint {run.last_checkpoint}",
+                f"{why} at epoch {run.epoch + 1} step {run.step} (batch {run.batch} of "
+                f"{len(self.train_loader)}); checkpoint {run.last_checkpoint}",
                 flush=True,
             )
-        if self.world.is_main and run.history:
-            try:
-                plot_metrics(self.run_dir, run.history)
-            except ImportError as e:  # the run is done: a missing extra must not fail it
-                warnings.warn(f"{self.run_dir / 'metrics.png'} not drawn: {e}", stacklevel=2)
-        # Leave together, once rank 0's files are written, and with a barrier last: it carries
-        # no Python tensors. A Gloo worker thread that drops the last reference to a Python
-        # tensor while the interpreter exits (a script ending right after train()) aborts the
-        # process ("terminate called without an active exception").
-        wait_for_all()
-        last = run.history[-1] if run.history else {}
-        return Summary(
-            epochs=run.epoch,
-            steps=run.step,
-            train_loss=last.get("train_loss"),
-            eval_loss=last.get("eval_loss"),
-            eval_accuracy=last.get("eval_accuracy"),
-            stopped_by=stopped.reason if stopped else None,
-            checkpoint=run.last_checkpoint,
-            history=list(run.history),
-        )
+        self._finish()
+        return self._summary(stopped.reason if stopped else None)
 
-    def _run_epoch(self, epoch: int, max_epochs: int) -> Agreement | None:
-        """Run what is left of ``epoch``; return the agreement that stopped it, else None."""
+    def _run_epoch(self, plan: RunPlan) -> Agreement | None:
+        """Run what is left of the epoch in progress, and its end if it gets there; return
+        the agreement that stopped the run, else None."""
         run = self.state
         self.model.train()
         per_epoch = len(self.train_loader)
-        self.progress.start_epoch(epoch + 1, max_epochs, per_epoch, run.batch)
-        batches = self.loaders.epoch(epoch)
-        segment_start = time.monotonic()
-        shown: list[float | None] = [None, None]
-        try:
-            while run.batch < per_epoch:
-                group = min(self.grad_accum_steps, per_epoch - run.batch)
-                for i in range(group):
-                    inputs, targets = next(batches)
-                    self._run_batch(inputs, targets, sync=i == group - 1, weight=1 / group)
-                self._optimizer_step()
-                run.batch += group
-                # The epoch's end agrees on its own (after its evaluation): not here as well.
-                if run.batch < per_epoch and run.step % self.check_every == 0:
-                    seconds = run.epoch_seconds + time.monotonic() - segment_start
-                    agreed = run.requests.agree(run.epoch_loss)
-                    total, count = agreed.sums
-                    shown = [total / count, count / seconds if seconds > 0 else None]
-                    if agreed.save:
-                        run.epoch_seconds, segment_start = seconds, time.monotonic()
-                        self._save()
-                    if agreed.stop:
-                        return agreed
-                self.progress.advance(group, *shown)
-            return None
-        finally:
-            run.epoch_seconds += time.monotonic() - segment_start
-            self.progress.end_epoch()
+        self.progress.start_epoch(run.epoch + 1, plan.max_epochs, per_epoch, run.batch)
+        batches = self.loaders.epoch(run.epoch)
+        while run.batch < per_epoch:
+            started = time.monotonic()
+            group = min(self.grad_accum_steps, per_epoch - run.batch)
+            for i in range(group):
+                self._run_batch(next(batches), sync=i == group - 1, weight=1 / group)
+            self._optimizer_step()
+            run.batch += group
+            # Training time only (not evaluation, agreements, saves): the samples/s shown.
+            seconds = time.monotonic() - started
+            run.epoch_seconds += seconds
+            self.log.window.seconds += seconds
+            if run.batch == per_epoch:
+                break  # the epoch's end agrees, evaluates, logs and saves on its own
+            agreed = self._step_boundary(plan)
+            if agreed is not None and agreed.stop:
+                return agreed
+            if plan.finished(epoch=run.epoch, step=run.step):
+                return None  # max_steps, in the middle of the epoch: saved at the boundary
+        return self._end_epoch(plan)
 
-    def _run_batch(self, inputs: Any, targets: Any, *, sync: bool, weight: float) -> None:
+    def _run_batch(self, batch: Any, *, sync: bool, weight: float) -> None:
         """Forward and backward one micro-batch; its loss counts ``weight`` of the step's."""
-        inputs, targets = inputs.to(self.world.device), targets.to(self.world.device)
         # Micro-batches before a step's last sum their gradients locally: one all-reduce a step.
         with nullcontext() if sync else self.engine.no_sync():
-            loss = self.loss_fn(self.model(inputs), targets)
+            out = self._train_step(self.model, batch)
             # The step's gradient is the mean over its micro-batches, as one big batch's.
-            scaled = loss * weight
-            (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
-        self.state.epoch_loss[0] += loss.item() * len(targets)
-        self.state.epoch_loss[1] += len(targets)
+            loss = self._update.backward(out, weight)
+        self.state.epoch_loss[0] += loss * out.count
+        self.state.epoch_loss[1] += out.count
+        self.log.window.add(loss, out.count, out.tokens)
 
     def _optimizer_step(self) -> None:
-        if self.scaler is not None:
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-        else:
-            self.optimizer.step()
-        self.optimizer.zero_grad()
+        self._lr = lr_of(self.optimizer)  # the rate this step takes, before a scheduler moves it
+        self._update.step()
         if self.scheduler is not None and self.scheduler_interval == "step":
             self.scheduler.step()
         self.state.step += 1
-
-    def _end_epoch(self) -> Agreement:
-        """Reduce the loss, evaluate, record and print the epoch; return the requests agreed."""
-        run = self.state
-        agreed = run.requests.agree(run.epoch_loss)  # the loss sums ride along
-        total, count = agreed.sums
-        record: dict[str, Any] = {"epoch": run.epoch + 1, "step": run.step}
-        record["train_loss"] = total / count
-        if self.eval_loader is not None:
-            record.update(self.evaluate())
-        record["samples_per_s"] = count / run.epoch_seconds if run.epoch_seconds > 0 else None
-        record["epoch_s"] = run.epoch_seconds
-        record["elapsed_s"] = run.elapsed_seconds()
-        run.end_epoch(record)
-        if self.scheduler is not None and self.scheduler_interval == "epoch":
-            self.scheduler.step()
-        if self.world.is_main:
-            write_metrics(self.run_dir, run.history)
-            print(epoch_line(record), flush=True)
-        return agreed
-
-    def evaluate(self) -> dict[str, float | None]:
-        """Exact evaluation of ``eval_data`` over all ranks (call on every rank).
-
-        Returns:
-            ``{"eval_loss": mean loss, "eval_accuracy": accuracy or None}``, equal to one
-            process's on the whole set (see :mod:`tandem.train.evaluation`).
-
-        Example::
-
-            metrics = trainer.evaluate()
-        """
-        if self.eval_loader is None:
-            raise ValueError("evaluate() needs eval_data; this Trainer was built without it")
-        batches = self.loaders.eval_batches(self.state.epoch)
-        return evaluate(self.module, batches, self.loss_fn, self.world.device)
-
-    def elapsed_seconds(self) -> float:
-        """Seconds spent in ``train()`` by this run, over all its sessions (resumes)."""
-        return self.state.elapsed_seconds()
-
-    def _save(self) -> None:
-        run = self.state
-        run.last_checkpoint = self.checkpointer.save(
-            self.engine, self._stateful(), epoch=run.epoch, step=run.step
-        )
-
-    def request_checkpoint(self) -> None:
-        """Ask for a checkpoint at the next step boundary, as SIGUSR1 does (any rank may ask).
-
-        Example::
-
-            if step_time > limit:
-                trainer.request_checkpoint()
-        """
-        self.state.requests.checkpoint()
-
-    def request_stop(self) -> None:
-        """Ask every rank to save and stop at the next step boundary, as SIGTERM does.
-
-        Example::
-
-            if time.time() > deadline:
-                trainer.request_stop()
-        """
-        self.state.requests.stop()
+        self._steps.tick()

@@ -1,0 +1,349 @@
+"""Checkpoints for hand-written loops, and plain weights out of any checkpoint.
+
+:func:`save` and :func:`load` take a dict of the objects to keep, as
+``torch.distributed.checkpoint`` does, and load in place: models (plain, tandem.DDP,
+DataParallel, tandem.FullyShardedDataParallel), optimizers (plain, tandem.ShardedOptimizer, one
+over an FSDP model's shards), engines (:func:`tandem.parallel.engine.make_engine`), anything
+with ``state_dict()`` / ``load_state_dict()`` (schedulers, samplers, GradScaler, :class:`RNG`),
+and plain values (numbers, strings, tensors, lists and dicts of them). They give the Trainer's
+guarantees:
+
+- **atomic**: a temporary file, fsynced and renamed, then its ``.sha256`` sidecar, which
+  commits it; a crash leaves a file that refuses to load, never one that loads half-way;
+- **checked**: the checksum is verified and every value checked against its object (keys,
+  shapes, parameter groups, shards) on every rank before any object changes; unpickled
+  with ``torch.load(weights_only=True)``, so no code in a file runs;
+- **collective**: every rank calls them with the same keys; an error on any rank (a full disk,
+  a corrupt shard, a mismatched key) is raised on every rank, never left as a hang;
+- ``kind="full"`` (default) gathers what is sharded into rank 0's file: it loads at any world
+  size, and into the unwrapped model; ``kind="sharded"`` gathers nothing: each rank writes its
+  own shards. Both load at another world size: there each rank cuts its FSDP shards and its
+  ShardedOptimizer or FSDP optimizer state anew from the saved ranks' shard files that overlap
+  its share (the Trainer's resharding: :mod:`tandem.train.shard_files`), which must then be
+  visible to every process (a shared file system).
+
+At another world size the rest of an epoch continues where the saved ranks stood: a
+:class:`tandem.data.DistributedSampler` (or a :class:`tandem.data.StatefulLoader` over one)
+deals the samples not yet trained on to the new ranks, none repeated, none skipped (apart from
+the padding that evens the ranks' shares). Per-rank states are mapped by their object's
+``load_rank_state_dicts(states, rank)``; :class:`RNG`'s: ranks that existed continue their
+saved generators, new ranks seed theirs deterministically. An object with only
+``load_rank_state_dict`` loads at the same world size only (a ValueError otherwise). The run
+goes on, but not bitwise as the uninterrupted one: the global batch and the order of the
+gradient sums change with the number of processes.
+
+:func:`export_weights` (and ``tandem export`` on the command line) writes the plain model's
+weights as one safetensors file, from a Trainer run or checkpoint, a :func:`save` file, or a
+live model.
+
+What a Trainer checkpoint holds (``runs/x/checkpoints/ckpt-eEEEE-sSSSSSSSS.pt``, read with
+``tandem.train.checkpoint.load_checkpoint``)::
+
+    {"format_version": 1, "epoch": E, "step": S, "state": {
+        "model":     the plain module's state_dict() (no wrapper prefixes; FSDP's gathered);
+                     None in FSDP's sharded kind
+        "optimizer": a plain optimizer's state_dict() over the plain module's parameters
+                     (ShardedOptimizer's and FSDP's gathered); None in the sharded kind
+        "engine":    tandem.DDP's bucket order, or None
+        "shards":    None, or in the sharded kind {"sha256": [rank r's shard file digest]}
+        "scheduler", "scaler": their state_dict(), or None
+        "trainer":   epoch, step, batch, sampler position, history; under "ranks" every
+                     rank's RNG states and loss sums}}
+    ckpt-....pt.sha256                  its checksum, written last
+    shards/ckpt-.../rankNNNNN.pt        sharded kind: rank r's {"model": FSDP shards,
+                                        "optimizer": its optimizer shard}
+
+What a :func:`save` file holds (``path``, its ``path.sha256``, and in the sharded kind
+``shards/<path's stem>/rankNNNNN.pt`` beside it)::
+
+    {"format": "tandem.checkpoint/1", "kind": "full" | "sharded", "world_size": N,
+     "shards": None | {"sha256": [rank r's shard file digest]},
+     "objects": {key: {"type": "model" | "optimizer" | "engine" | "stateful" | "value",
+                       "state": rank 0's part (below),
+                       "ranks": [every rank's rank_state_dict()] or None}}}
+
+    model      {"model": the plain module's state_dict(), "engine": tandem.DDP's bucket order}
+    optimizer  {"optimizer": a plain optimizer's state_dict() over the plain module}
+    engine     {"model", "optimizer", "engine"}, as Engine.state_dict gives them
+    stateful   its state_dict(); RNG's per-rank generator states are under "ranks"
+    value      the value
+    rankNNNNN.pt: {key: {"model": FSDP shards} | {"optimizer": an optimizer shard}} for what
+               is sharded (its place in "state" is then None)
+
+Example::
+
+    import tandem, tandem.checkpoint
+
+    tandem.init()
+    model = tandem.DDP(net)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    state = {"model": model, "optimizer": opt, "scheduler": sched, "sampler": sampler,
+             "rng": tandem.checkpoint.RNG(), "step": 0}
+    if os.path.exists("ckpt/last.pt"):
+        tandem.checkpoint.load(state, "ckpt/last.pt")      # state["step"] is the saved step
+    for step in range(state["step"], 1000):
+        ...
+        if step % 100 == 99:
+            state["step"] = step + 1
+            tandem.checkpoint.save(state, "ckpt/last.pt")
+    tandem.checkpoint.export_weights(model, "model.safetensors")
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, MutableMapping
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from tandem import _dist
+from tandem.parallel.engine import Engine, Kind
+from tandem.parallel.fsdp import FullyShardedDataParallel
+from tandem.train.checkpoint import CheckpointError
+from tandem.train.checkpoint_files import API_FORMAT, write_checkpoint_file
+from tandem.train.checkpoint_objects import unwrap
+from tandem.train.checkpoint_steps import (
+    ERRORS,
+    ShardFiles,
+    agree,
+    check,
+    classify_state,
+    kind_of,
+    load_into,
+    read_api_file,
+    save_entries,
+    settle,
+    tidy_shards,
+)
+from tandem.train.collective import from_rank0
+from tandem.train.export import export_file as _export_file
+from tandem.train.export import strip_wrapper_prefixes, write_safetensors
+from tandem.train.rng import (
+    capture_rng_state,
+    derived_seed,
+    restore_rng_state,
+    seed_rng,
+    states_digest,
+)
+
+__all__ = ["KINDS", "RNG", "CheckpointError", "Kind", "export_weights", "load", "save"]
+
+KINDS: tuple[Kind, ...] = ("full", "sharded")
+
+
+class RNG:
+    """Every rank's random number generators, as one object to put in a checkpoint's state.
+
+    Saved: each rank's Python ``random``, NumPy global, torch CPU and (when initialized) CUDA
+    generator states. Loaded at the same world size: each rank gets its own back, so dropout
+    masks and shuffles go on as in the uninterrupted run. At another world size a rank that
+    existed gets its own back too, and a new rank (one past the saved ones) seeds Python's,
+    NumPy's and torch's generators from ``derived_seed("tandem.checkpoint.RNG", digest, rank)``,
+    the digest being that of the saved states: loading the same checkpoint on as many
+    processes gives the same draws every time, another checkpoint other ones.
+
+    Example::
+
+        state = {"model": model, "optimizer": opt, "rng": tandem.checkpoint.RNG()}
+        tandem.checkpoint.save(state, "ckpt.pt")
+        tandem.checkpoint.load(state, "ckpt.pt")   # every rank's generators as at the save
+    """
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}  # nothing shared: the states are per rank
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        pass
+
+    def rank_state_dict(self) -> dict[str, Any]:
+        """This rank's generator states."""
+        return capture_rng_state()
+
+    def load_rank_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore this rank's saved generator states."""
+        restore_rng_state(state)
+
+    def load_rank_state_dicts(self, states: list[dict[str, Any]], rank: int) -> None:
+        """Restore saved rank ``rank``'s states, or derive a new rank's (see the class doc)."""
+        if rank < len(states):
+            restore_rng_state(states[rank])
+        else:
+            seed_rng(derived_seed("tandem.checkpoint.RNG", states_digest(states), rank))
+
+
+def save(state: Mapping[str, Any], path: str | Path, *, kind: Kind = "full") -> Path:
+    """Save every value of ``state`` to ``path`` (a collective: every rank calls it).
+
+    Rank 0 writes ``path`` and its ``.sha256``; in the sharded kind every rank also writes its
+    own shards to ``shards/<stem>/rankNNNNN.pt`` beside it. See the module doc for the layout.
+
+    Args:
+        state: key -> model, optimizer, engine, stateful object or plain value; the same keys
+            and kinds of value on every rank (checked). Plain values are rank 0's.
+        path: the checkpoint file; its directory is created. Saving over an existing
+            checkpoint replaces it (a crash in between leaves neither loadable: save to a new
+            name per step and keep the last few where that matters, as the Trainer does).
+        kind: ``"full"`` or ``"sharded"`` (see the module doc).
+
+    Returns:
+        ``path``, on every rank.
+
+    Raises:
+        ValueError: a bad ``kind``, a value that cannot be saved, ranks that disagree on the
+            keys, or a value ``weights_only`` loading would refuse (nothing is committed).
+        OSError: a rank could not write (on every rank; nothing is committed).
+
+    Example::
+
+        tandem.checkpoint.save({"model": model, "optimizer": opt, "step": 100}, "ckpt/100.pt")
+    """
+    path = Path(path)
+    rank, world_size = _dist.group_rank(), _dist.group_size()
+    # Phase 1: every rank sorts its values, and the ranks compare them before any collective.
+    entries, problem = classify_state(state)
+    if kind not in KINDS:
+        problem = ValueError(f"kind must be one of {list(KINDS)}, not {kind!r}")
+    agree(entries, problem, path, "save")
+    # Phases 2 and 3: each value's state, each rank's shard file (checkpoint_steps).
+    saved = save_entries(entries, kind, ShardFiles(path.parent, path.stem), rank)
+    # Phase 4: rank 0 writes its file; its sidecar commits the checkpoint.
+    verdict: tuple[str | None, str | None] = (None, None)
+    if rank == 0:
+        objects = {
+            e.key: {"type": e.tag, "state": saved.states[e.key], "ranks": saved.ranks.get(e.key)}
+            for e in entries
+        }
+        payload = {
+            "format": API_FORMAT,
+            "kind": kind,
+            "world_size": world_size,
+            "shards": None if saved.digests is None else {"sha256": saved.digests},
+            "objects": objects,
+        }
+        try:
+            write_checkpoint_file(payload, path)
+        except (OSError, ValueError) as e:
+            verdict = (kind_of(e), f"rank 0 could not save checkpoint {path}: {e}")
+    error, message = from_rank0(verdict)
+    if error is not None:
+        raise ERRORS[error](message)
+    if saved.digests is None:
+        tidy_shards(path, rank)
+    return path
+
+
+def load(state: MutableMapping[str, Any], path: str | Path) -> None:
+    """Load the checkpoint at ``path`` into the values of ``state``, in place (a collective).
+
+    Models, optimizers, engines and stateful objects load their saved state; plain values are
+    replaced in ``state`` (a tensor of the same shape and dtype is copied into). Rank 0 reads
+    the file (the other ranks may not see its disk) and sends it to the others; in the
+    sharded kind each rank reads its own shard file.
+
+    Everything is checked on every rank before anything changes: the checksums, the keys (a key
+    in the file that ``state`` lacks, or the reverse, is an error naming them), each value's
+    type, the models' keys and shapes, the optimizers' parameter groups, the shards. Stateful
+    objects load first, and are put back as they were if one of them refuses its state; the
+    per-rank states (RNG) are restored last. At another world size than the save's, sharded
+    state is cut anew and per-rank states mapped (see the module doc).
+
+    Args:
+        state: the same keys as the saved dict, with objects to load into and placeholders
+            for plain values (``{"step": 0}``).
+        path: a file written by :func:`save`.
+
+    Raises:
+        CheckpointError: the file is missing, corrupt, truncated, not a tandem checkpoint (the
+            message names what it is), or a shard file is missing or corrupt.
+        ValueError: it does not fit ``state`` (the message names the key and what differs),
+            e.g. FSDP shards for a model that is not FSDP, or per-rank state of another world
+            size for an object without ``load_rank_state_dicts``.
+
+    Example::
+
+        state = {"model": model, "optimizer": opt, "rng": tandem.checkpoint.RNG(), "step": 0}
+        tandem.checkpoint.load(state, "ckpt/100.pt")
+        start = state["step"]
+    """
+    path = Path(path)
+    rank = _dist.group_rank()
+    # Phase 1: every rank sorts its values; the ranks compare them.
+    entries, problem = classify_state(state)
+    agree(entries, problem, path, "load")
+    # Phase 2: rank 0 reads and verifies its file; every rank gets its content.
+    verdict: tuple[str | None, Any] = (None, None)
+    if rank == 0:
+        try:
+            verdict = (None, read_api_file(path))
+        except CheckpointError as e:
+            verdict = (str(e), None)
+    error, payload = from_rank0(verdict)
+    if error is not None:
+        raise CheckpointError(error)
+    # Phase 3: every check, and each rank's own shard read; all ranks hear every verdict.
+    # (At another world size each rank reads the saved shard files that overlap its share.)
+    shard: dict[str, Any] | None = None
+    local: Exception | None = None
+    try:
+        shard = check(path, payload, entries, ShardFiles(path.parent, path.stem), rank)
+    except (ValueError, CheckpointError) as e:
+        local = e
+    settle(local)
+    # Phase 4: load; a failure here (an object's own refusal) is raised on every rank too.
+    local = None
+    try:
+        load_into(state, path, payload, entries, shard, rank)
+    except Exception as e:
+        local = e
+    settle(local)
+
+
+def export_weights(
+    source: str | Path | nn.Module | Engine, out: str | Path, *, key: str | None = None
+) -> Path:
+    """Write the plain model's weights to ``out`` as safetensors; ``out``.
+
+    The keys are the unwrapped module's, so the file loads with ``safetensors.torch.load_file``
+    into the plain model with ``load_state_dict(strict=True)``.
+
+    Args:
+        source: a checkpoint (a Trainer run directory, meaning its latest checkpoint; a Trainer
+            checkpoint file; a :func:`save` file; full or sharded), read in this process alone;
+            or a live model or engine (tandem.DDP, FSDP, plain), a collective: every rank
+            calls it, rank 0 writes.
+        out: the file to write, atomically: on any error it is left as it was.
+        key: which model of a :func:`save` file that holds several.
+
+    Raises:
+        CheckpointError: no checkpoint at ``source``, or a corrupt, foreign or incomplete one.
+        ValueError: ``key`` is needed or names no model; ``out`` is a directory.
+        ImportError: safetensors is not installed: ``pip install "tandem[export]"``.
+
+    Example::
+
+        tandem.checkpoint.export_weights("runs/lm", "lm.safetensors")
+        net.load_state_dict(safetensors.torch.load_file("lm.safetensors"), strict=True)
+    """
+    if not isinstance(source, nn.Module | Engine):
+        return _export_file(source, out, key=key).out
+    out = Path(out)
+    # A collective: every rank joins the gather of a sharded model; rank 0 writes.
+    if isinstance(source, Engine):
+        weights = source.plain_weights(0)
+    else:
+        target, _ = unwrap(source)
+        if isinstance(target, FullyShardedDataParallel):
+            weights = target.full_state_dict(0)
+        else:
+            weights = target.state_dict() if _dist.group_rank() == 0 else None
+    verdict: tuple[str | None, str | None] = (None, None)
+    if weights is not None:
+        try:
+            write_safetensors(strip_wrapper_prefixes(weights), out, {"tandem.source": "model"})
+        except (OSError, ValueError, ImportError) as e:
+            verdict = (kind_of(e), f"rank 0 could not export to {out}: {e}")
+    error, message = from_rank0(verdict)
+    if error is not None:
+        raise ERRORS[error](message)
+    return out

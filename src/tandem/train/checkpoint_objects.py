@@ -1,0 +1,399 @@
+"""Each value of a ``tandem.checkpoint`` state dict: what is saved of it, what fits, how it loads.
+
+:func:`classify` sorts every value into one of five types; each knows what goes into rank 0's
+file (its record's ``"state"``), what into each rank's own shard file in the sharded kind, how
+to check a saved state against the live object without touching it, and how to load it:
+
+=========  ========================================  ==========================================
+type       values                                    ``record["state"]`` (rank 0's file)
+=========  ========================================  ==========================================
+model      ``nn.Module``, tandem.DDP, DataParallel,  ``{"model": the plain module's
+           FSDP, torch's DDP, ``torch.compile``'d    state_dict(), "engine": tandem.DDP's
+                                                     bucket order or None}``
+optimizer  a torch optimizer, ShardedOptimizer,      ``{"optimizer": a plain optimizer's
+           one over an FSDP model's shards           state_dict() over the plain module}``
+engine     a :class:`~tandem.parallel.engine.Engine` ``{"model", "optimizer", "engine"}``
+stateful   anything with ``state_dict()`` and        its ``state_dict()`` (rank 0's); every
+           ``load_state_dict()``: scheduler,         rank's ``rank_state_dict()``, if it has
+           sampler, GradScaler, RNG                  one, in ``record["ranks"]``
+value      tensors, numbers, strings, None, and      the value (rank 0's)
+           lists, tuples and dicts of them
+=========  ========================================  ==========================================
+
+The full kind gathers what is sharded, so the states above load at any world size and into the
+unwrapped model. In the sharded kind what is sharded stays on its rank: an FSDP model's shards
+(``{"model": ...}``) and a ShardedOptimizer's or an FSDP optimizer's state (``{"optimizer":
+...}``) go into that rank's file under the value's key, and None takes their place above; at
+another world size each rank cuts its part anew from the saved parts overlapping it (reshard).
+
+An optimizer over an FSDP model's shards needs that model in the same state dict: its full
+state names the plain module's parameters, which only the model can map the shards onto.
+
+Example::
+
+    entries = classify({"model": model, "optimizer": opt, "step": 12})
+    state, shard = entries[0].save("full")       # a collective for FSDP
+    entries[0].check(state, shard)               # ValueError if it does not fit; nothing changed
+    entries[0].load(state, shard)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from tandem.parallel.ddp import DistributedDataParallel
+from tandem.parallel.dp import DataParallel
+from tandem.parallel.engine import Engine, Kind, ShardedEngine
+from tandem.parallel.fsdp import FullyShardedDataParallel
+from tandem.parallel.zero import ShardedOptimizer
+from tandem.train.checkpoint_checks import check_model, check_optimizer
+from tandem.train.shard_files import reshard, reshard_model, reshard_optimizer
+
+FSDP = FullyShardedDataParallel
+_PLAIN_SCALARS = (type(None), bool, int, float, complex, str, bytes, torch.Tensor)
+
+
+def unwrap(model: nn.Module) -> tuple[nn.Module, Any]:
+    """The module whose state a checkpoint holds, and tandem.DDP's reducer if it was wrapped.
+
+    Wrappers that only prefix the keys (tandem.DDP, DataParallel, torch's DDP, torch.compile)
+    are taken off; an FSDP model is returned as it is (its state is the plain module's).
+    """
+    reducer = None
+    while True:
+        if isinstance(model, DistributedDataParallel):
+            reducer = model.reducer
+            model = model.module
+        elif isinstance(
+            model, DataParallel | nn.DataParallel | nn.parallel.DistributedDataParallel
+        ):
+            model = model.module
+        elif type(model).__name__ == "OptimizedModule" and isinstance(
+            inner := getattr(model, "_orig_mod", None), nn.Module
+        ):
+            model = inner  # torch.compile's wrapper
+        else:
+            return model, reducer
+
+
+def is_plain(value: Any) -> bool:
+    """Whether ``value`` is plain data that ``torch.load(weights_only=True)`` takes back.
+
+    Example::
+
+        >>> is_plain({"step": 3, "losses": [0.5, 0.25], "name": None})
+        True
+        >>> is_plain({"model": nn.Linear(1, 1)})
+        False
+    """
+    if isinstance(value, _PLAIN_SCALARS):
+        return True
+    if isinstance(value, list | tuple):
+        return all(is_plain(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str | int) and is_plain(v) for k, v in value.items())
+    return False
+
+
+class Entry:
+    """One value of the state dict under ``key`` (subclasses: one per type)."""
+
+    tag: ClassVar[str]
+
+    def __init__(self, key: str, obj: Any) -> None:
+        self.key = key
+        self.obj = obj
+        self.what = f"state[{key!r}]"
+
+    def save(self, kind: Kind) -> tuple[Any, dict[str, Any] | None]:
+        """(its part of rank 0's file, this rank's shard or None); a collective where sharded."""
+        raise NotImplementedError
+
+    @property
+    def has_rank_state(self) -> bool:
+        return False
+
+    def rank_state(self) -> Any:
+        """This rank's own part (RNG states), saved for every rank."""
+
+    def sharded_in(self, state: Any) -> bool:
+        """Whether its saved ``state`` left a part in the shard files (None stands there)."""
+        return False
+
+    def reshard(self, saved_world_size: int, read: Callable[[int], Any]) -> dict[str, Any]:
+        """This rank's shard part cut from another world size's (``read(q)``: rank q's)."""
+        raise ValueError(f"{self.what} is a {self.tag}; the checkpoint holds shards of it")
+
+    def check(self, state: Any, shard: dict[str, Any] | None) -> None:
+        """ValueError, naming the key and what differs, unless the saved state fits."""
+
+    def load(self, state: Any, shard: dict[str, Any] | None) -> None:
+        raise NotImplementedError
+
+
+class ModelEntry(Entry):
+    tag = "model"
+
+    def __init__(self, key: str, obj: nn.Module) -> None:
+        super().__init__(key, obj)
+        self.target, self.reducer = unwrap(obj)
+
+    def save(self, kind: Kind) -> tuple[Any, dict[str, Any] | None]:
+        target = self.target
+        if isinstance(target, FSDP):
+            if kind == "sharded":
+                return {"model": None, "engine": None}, {"model": target.sharded_state_dict()}
+            return {"model": target.full_state_dict(0), "engine": None}, None
+        engine = self.reducer.state_dict() if self.reducer is not None else None
+        return {"model": target.state_dict(), "engine": engine}, None
+
+    def sharded_in(self, state: Any) -> bool:
+        return _holds_none(state, "model")
+
+    def reshard(self, saved_world_size: int, read: Callable[[int], Any]) -> dict[str, Any]:
+        if not isinstance(self.target, FSDP):
+            raise ValueError(
+                f"{self.what}: the checkpoint holds the shards of a "
+                f"tandem.FullyShardedDataParallel model (kind='sharded'), and this is a "
+                f"{type(self.target).__name__}: load it into an FSDP model of the same module "
+                "(at any world size), or save with kind='full', which loads into any model"
+            )
+        return {"model": reshard_model(self.target.layout, saved_world_size, read)}
+
+    def check(self, state: Any, shard: dict[str, Any] | None) -> None:
+        check_model(self.what, self.target, _part(state, "model"), _part(shard, "model"))
+
+    def load(self, state: Any, shard: dict[str, Any] | None) -> None:
+        target, sharded = self.target, _part(shard, "model")
+        if sharded is not None:
+            assert isinstance(target, FSDP)  # check() refused anything else
+            target.load_sharded_state_dict(sharded)
+        elif isinstance(target, FSDP):
+            target.load_full_state_dict(state["model"])
+        else:
+            target.load_state_dict(state["model"])
+            # A checkpoint of a model that was not wrapped in tandem.DDP has no bucket order:
+            # the reducer then learns its buckets again, as after construction.
+            if self.reducer is not None and state.get("engine") is not None:
+                self.reducer.load_state_dict(state["engine"])
+
+
+class OptimizerEntry(Entry):
+    tag = "optimizer"
+
+    def __init__(self, key: str, obj: torch.optim.Optimizer, owner: FSDP | None) -> None:
+        super().__init__(key, obj)
+        self.owner = owner  # the FSDP model whose shards it steps
+
+    def save(self, kind: Kind) -> tuple[Any, dict[str, Any] | None]:
+        opt, owner = self.obj, self.owner
+        if kind == "sharded" and (isinstance(opt, ShardedOptimizer) or owner is not None):
+            return {"optimizer": None}, {"optimizer": opt.state_dict()}
+        if isinstance(opt, ShardedOptimizer):
+            return {"optimizer": opt.full_state_dict(0)}, None
+        if owner is not None:
+            return {"optimizer": owner.full_optim_state_dict(opt, 0)}, None
+        return {"optimizer": opt.state_dict()}, None
+
+    def sharded_in(self, state: Any) -> bool:
+        return _holds_none(state, "optimizer")
+
+    def reshard(self, saved_world_size: int, read: Callable[[int], Any]) -> dict[str, Any]:
+        layout = None if self.owner is None else self.owner.layout
+        try:
+            return {"optimizer": reshard_optimizer(self.obj, layout, saved_world_size, read)}
+        except ValueError as e:
+            raise ValueError(f"{self.what}: {e}") from e
+
+    def check(self, state: Any, shard: dict[str, Any] | None) -> None:
+        check_optimizer(
+            self.what, self.obj, self.owner, _part(state, "optimizer"), _part(shard, "optimizer")
+        )
+
+    def load(self, state: Any, shard: dict[str, Any] | None) -> None:
+        opt, owner, sharded = self.obj, self.owner, _part(shard, "optimizer")
+        if sharded is not None:
+            opt.load_state_dict(sharded)
+        elif isinstance(opt, ShardedOptimizer):
+            opt.load_full_state_dict(state["optimizer"])
+        elif owner is not None:
+            owner.load_full_optim_state_dict(opt, state["optimizer"])
+        else:
+            opt.load_state_dict(state["optimizer"])
+
+
+class EngineEntry(Entry):
+    """An engine: its own ``state_dict(kind)`` / ``load_state_dict`` (the engine contract)."""
+
+    tag = "engine"
+
+    def __init__(self, key: str, obj: Engine) -> None:
+        super().__init__(key, obj)
+        self.owner = obj.fsdp if isinstance(obj, ShardedEngine) else None
+
+    def save(self, kind: Kind) -> tuple[Any, dict[str, Any] | None]:
+        # An engine with nothing sharded refuses the sharded kind; its full state is the same
+        # on every rank, so rank 0's file holds it whole.
+        parts = self.obj.state_dict(kind if self.obj.has_shards else "full")
+        shard = parts.pop("shard")
+        return parts, shard
+
+    def sharded_in(self, state: Any) -> bool:
+        return _holds_none(state, "optimizer")  # every sharded engine shards its optimizer
+
+    def reshard(self, saved_world_size: int, read: Callable[[int], Any]) -> dict[str, Any]:
+        try:
+            return reshard(self.obj, saved_world_size, read)
+        except ValueError as e:
+            raise ValueError(f"{self.what}: {e}") from e
+
+    def check(self, state: Any, shard: dict[str, Any] | None) -> None:
+        target = self.owner if self.owner is not None else self.obj.module
+        check_model(self.what, target, _part(state, "model"), _part(shard, "model"))
+        check_optimizer(
+            self.what,
+            self.obj.optimizer,
+            self.owner,
+            _part(state, "optimizer"),
+            _part(shard, "optimizer"),
+        )
+
+    def load(self, state: Any, shard: dict[str, Any] | None) -> None:
+        self.obj.load_state_dict({**state, "shard": shard})
+
+
+class StatefulEntry(Entry):
+    """A scheduler, sampler, GradScaler, RNG: ``state_dict()`` and its load; optionally each
+    rank's own part: ``rank_state_dict()``, ``load_rank_state_dict(s)`` (see load_rank_states)."""
+
+    tag = "stateful"
+
+    def save(self, kind: Kind) -> tuple[Any, dict[str, Any] | None]:
+        return self.obj.state_dict(), None
+
+    @property
+    def has_rank_state(self) -> bool:
+        return callable(getattr(self.obj, "rank_state_dict", None))
+
+    def rank_state(self) -> Any:
+        return self.obj.rank_state_dict()
+
+    def load(self, state: Any, shard: dict[str, Any] | None) -> None:
+        self.obj.load_state_dict(state)
+
+    def check_rank_states(self, states: list[Any], world_size: int) -> None:
+        """ValueError unless the states of ``len(states)`` saved ranks map onto this world."""
+        if len(states) != world_size and not hasattr(self.obj, "load_rank_state_dicts"):
+            raise ValueError(
+                f"{self.what} holds per-rank state of {len(states)} process(es) and this job "
+                f"has {world_size}: {type(self.obj).__name__} has no load_rank_state_dicts() "
+                "to map it onto another world size"
+            )
+
+    def load_rank_states(self, states: list[Any], rank: int) -> None:
+        """Every saved rank's part, in rank order: the object's ``load_rank_state_dicts``
+        maps them at any world size; without it each rank takes its own."""
+        load_all = getattr(self.obj, "load_rank_state_dicts", None)
+        if load_all is not None:
+            load_all(states, rank)
+        else:
+            self.obj.load_rank_state_dict(states[rank])
+
+
+class ValueEntry(Entry):
+    """Plain data: saved as it is on rank 0, put back into the state dict on load."""
+
+    tag = "value"
+
+    def save(self, kind: Kind) -> tuple[Any, dict[str, Any] | None]:
+        return self.obj, None
+
+    def loaded(self, saved: Any) -> Any:
+        """What the state dict holds after loading: the saved value; a tensor of the same
+        shape and dtype is copied into the one there (it stays on its device, and references
+        to it see the loaded values, as torch.distributed.checkpoint does)."""
+        current = self.obj
+        if (
+            isinstance(current, torch.Tensor)
+            and isinstance(saved, torch.Tensor)
+            and current.shape == saved.shape
+            and current.dtype == saved.dtype
+        ):
+            with torch.no_grad():
+                current.copy_(saved)
+            return current
+        return saved
+
+    def load(self, state: Any, shard: dict[str, Any] | None) -> None:
+        raise AssertionError("a value is put back by the caller, through loaded()")
+
+
+def classify(state: Mapping[str, Any]) -> list[Entry]:
+    """One entry per value of ``state``, in its order (the same on every rank).
+
+    Raises:
+        ValueError: ``state`` is not a dict with string keys, a value is none of the five
+            types, or an optimizer steps the shards of several FSDP models.
+    """
+    if not isinstance(state, Mapping):
+        raise ValueError(
+            f"state must be a dict of the objects to save, e.g. {{'model': model, 'optimizer': "
+            f"opt}}; got a {type(state).__name__}"
+        )
+    owners: dict[int, FSDP] = {}  # id of a shard parameter -> its FSDP model
+    for obj in state.values():
+        fsdp: Any = obj.fsdp if isinstance(obj, ShardedEngine) else None
+        if isinstance(obj, nn.Module):
+            fsdp = unwrap(obj)[0]
+        if isinstance(fsdp, FSDP):
+            owners.update({id(unit.shard): fsdp for unit in fsdp.units})
+    entries: list[Entry] = []
+    for key, obj in state.items():
+        if not isinstance(key, str):
+            raise ValueError(f"state keys must be strings; got {key!r} ({type(key).__name__})")
+        if isinstance(obj, Engine):
+            entries.append(EngineEntry(key, obj))
+        elif isinstance(obj, nn.Module):
+            entries.append(ModelEntry(key, obj))
+        elif isinstance(obj, torch.optim.Optimizer):
+            entries.append(OptimizerEntry(key, obj, _owner(key, obj, owners)))
+        elif is_plain(obj):
+            entries.append(ValueEntry(key, obj))
+        elif callable(getattr(obj, "state_dict", None)) and callable(
+            getattr(obj, "load_state_dict", None)
+        ):
+            entries.append(StatefulEntry(key, obj))
+        else:
+            inside = ""
+            if isinstance(obj, list | tuple | dict):
+                inside = " (it holds objects that are not plain data: give each its own key)"
+            raise ValueError(
+                f"state[{key!r}] is of type {type(obj).__name__}, which tandem.checkpoint cannot "
+                "save: give models, optimizers, engines, objects with state_dict() and "
+                "load_state_dict(), or plain values (tensors, numbers, strings, None, and "
+                f"lists, tuples and dicts of them){inside}"
+            )
+    return entries
+
+
+def _owner(key: str, opt: torch.optim.Optimizer, owners: dict[int, FSDP]) -> FSDP | None:
+    params = [p for group in opt.param_groups for p in group["params"]]
+    found = {id(owners[id(p)]): owners[id(p)] for p in params if id(p) in owners}
+    if len(found) > 1:
+        raise ValueError(
+            f"state[{key!r}] steps the shards of {len(found)} FullyShardedDataParallel models; "
+            "give each model its own optimizer, so that each state maps onto one plain module"
+        )
+    return next(iter(found.values()), None)
+
+
+def _part(parts: Any, name: str) -> Any:
+    return parts.get(name) if isinstance(parts, Mapping) else None
+
+
+def _holds_none(state: Any, name: str) -> bool:
+    return isinstance(state, Mapping) and name in state and state[name] is None
