@@ -353,6 +353,25 @@ def test_a_timed_out_collective_ends_with_the_hang_report(monkeypatch):
     assert "hang_worker.py:12 in read_forever" in summary, summary
 
 
+def test_the_hang_report_works_under_torchrun(tmp_path):
+    # The same job under torch's own launcher: the report goes through torchrun's store (the
+    # agent's), names rank 1 and its line, and is written where TANDEM_REPORT_DIR says.
+    worker = str(Path(__file__).with_name("hang_worker.py"))
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--master-port", str(free_port()), worker],
+        capture_output=True,
+        text=True,
+        timeout=90,
+        env={**os.environ, "TANDEM_REPORT_DIR": str(tmp_path)},
+    )  # fmt: skip
+    assert result.returncode != 0
+    assert "rank 1 never entered all_reduce #1" in result.stderr, result.stderr
+    (written,) = tmp_path.glob("tandem-hang-rank0-all_reduce-1.json")
+    report = json.loads(written.read_text())
+    assert "hang_worker.py:12 in read_forever" in report["text"], report["text"]
+
+
 @pytest.mark.parametrize(("term_timeout", "saved"), [(None, True), ("1", False)])
 def test_sigterm_gives_workers_the_term_timeout_to_finish(term_timeout, saved):
     # Workers that need 3 s after SIGTERM (a checkpoint being written): the default 30 s lets
