@@ -39,6 +39,10 @@ TINY = {
         "--width", "8", "--blocks", "1", "--batch", "2", "--timeout", "60",
         "--contenders", "tandem.DDP", "stage 3",
     ],
+    "trainer_overhead": [
+        "--world", "2", "--pairs", "1", "--steps", "2", "--warmup", "1", "--batch", "2",
+        "--block", "8", "--dim", "16", "--layers", "1", "--heads", "2",
+    ],
 }  # fmt: skip
 
 

@@ -1,9 +1,10 @@
 """Optional dependencies: imported when a feature is used, named with the extra that installs them.
 
-``import tandem`` needs torch and numpy only. LMDB files, progress bars and plots need packages
-that ``pip install "tandem[lmdb]"``, ``"tandem[progress]"`` and ``"tandem[plots]"`` (or
-``"tandem[all]"``) install; the code that uses one calls :func:`require` at the point of use,
-so a missing package is an error that says what to install, raised where the feature is used.
+``import tandem`` needs torch and numpy only. LMDB files, progress bars, plots and the
+TensorBoard logger need packages that ``pip install "tandem[lmdb]"``, ``"tandem[progress]"``,
+``"tandem[plots]"`` and ``"tandem[tensorboard]"`` (or ``"tandem[all]"``) install; the code
+that uses one calls :func:`require` at the point of use, so a missing package is an error that
+says what to install, raised where the feature is used.
 """
 
 from __future__ import annotations

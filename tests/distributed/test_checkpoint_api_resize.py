@@ -3,8 +3,9 @@
 Hand-written loops, each saved once by 2 processes after 2 batches of 3 per rank of its first
 epoch (12 of the 48 samples trained on; 48 and the 36 left divide by 1, 2 and 3: no padding):
 
-- tandem.DDP, ``kind="full"``, its data through a :class:`tandem.data.StatefulLoader` with a
-  worker process (which draws batches ahead of those trained on);
+- tandem.DDP, ``kind="full"``, its data through a :class:`tandem.data.StatefulLoader` (in the
+  rank's process: the harness's ranks cannot start workers; that its state counts batches
+  yielded, not drawn, is tests/unit/test_stateful_loader.py's);
 - FSDP stage 3 (units of 25 and 18 elements, cut into other slices and paddings at every world
   size), ``kind="sharded"``, a :class:`tandem.data.DistributedSampler`;
 - tandem.ShardedOptimizer over tandem.DDP, ``kind="sharded"`` (other owners at every world
@@ -115,9 +116,7 @@ def _state(setup: str, seed: int) -> dict[str, Any]:
         "ids": [],
     }
     if setup == "ddp":
-        # Saved at 2 ranks with a worker drawing ahead; loaded without one.
-        workers = 1 if dist.get_world_size() == 2 else 0
-        state["loader"] = StatefulLoader(DATA, BATCH, sampler=sampler, num_workers=workers)
+        state["loader"] = StatefulLoader(DATA, BATCH, sampler=sampler)
         del state["sampler"]
     return state
 

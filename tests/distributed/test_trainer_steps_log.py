@@ -160,7 +160,7 @@ def _train(run_dir: str, max_steps: int, resume: str | None) -> list[torch.Tenso
         keep_checkpoints=10,
         progress=False,
     )
-    assert trainer.total_steps == STEPS if max_steps == STEPS else max_steps
+    assert trainer.total_steps == max_steps  # no max_epochs
     trainer.train()
     return [p.detach().clone() for p in trainer.module.parameters()]
 
@@ -182,13 +182,8 @@ def _logs(run_dir: Path) -> dict:
     logs = {
         "jsonl": [untimed(json.loads(line)) for line in lines],
         "csv": [untimed(row) for row in rows],
-        "epochs": [
-            {k: v for k, v in json.loads(e).items() if k not in ("samples_per_s", "epoch_s")}
-            for e in epochs
-        ],
+        "epochs": [untimed({**json.loads(line), "epoch_s": None}) for line in epochs],
     }
-    for record in logs["epochs"]:
-        del record["elapsed_s"]
     if "tensorboard" in LOGGERS:
         from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

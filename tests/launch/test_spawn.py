@@ -5,13 +5,22 @@
 - A rank that raises stops the others (which are blocked in a collective, waiting for it)
   within seconds, and its traceback is raised in the caller; a rank that dies without a
   traceback (SIGKILL) is named with the signal.
+- A function defined at the top of a `python -` script (a `__main__` with no file, as in a
+  notebook) runs in 2 processes that all_reduce, within seconds: shipped by value with
+  cloudpickle, or forked when cloudpickle is missing; and where neither is possible (a
+  non-daemon thread running) spawn raises at once saying what to do. No process is left behind
+  in any case (checked by a marker in the environment of every process).
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
+import uuid
+from pathlib import Path
 
 import pytest
 
@@ -71,3 +80,80 @@ def test_a_rank_killed_by_a_signal_is_named():
 def test_bad_nprocs():
     with pytest.raises(ValueError, match="nprocs=0"):
         tandem.spawn(_one_rank_dies, nprocs=0)
+
+
+# --- functions defined interactively -----------------------------------------------------------
+
+INTERACTIVE = """
+import sys, threading, time
+if "no-cloudpickle" in sys.argv:
+    sys.modules["cloudpickle"] = None  # import cloudpickle now raises ImportError
+if "thread" in sys.argv:
+    threading.Thread(target=time.sleep, args=(30,), name="busy").start()
+import torch, torch.distributed as dist
+import tandem
+
+def work(rank, scale):
+    tandem.init()
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t)
+    tandem.shutdown()
+    return t.item() * scale
+
+try:
+    print("RESULT", tandem.spawn(work, nprocs=2, args=(2.0,)), flush=True)
+except ValueError as exc:
+    print("ERROR", exc, flush=True)
+    import os
+    os._exit(3)  # without waiting for the thread
+"""
+
+
+def _processes_with(marker: str) -> list[int]:
+    """Live processes whose environment holds ``marker`` (the script and all its children)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if marker.encode() in (entry / "environ").read_bytes():
+                    found.append(int(entry.name))
+            except OSError:  # gone, or not ours to read
+                continue
+    return found
+
+
+def _run_interactive(*flags: str) -> subprocess.CompletedProcess:
+    marker = f"TANDEM_SPAWN_TEST={uuid.uuid4().hex}"
+    name, value = marker.split("=")
+    env = {**os.environ, name: value, "OMP_NUM_THREADS": "1"}
+    start = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-", *flags],
+        input=INTERACTIVE,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
+    elapsed = time.monotonic() - start
+    time.sleep(0.2)
+    assert _processes_with(marker) == [], "processes left behind"
+    print(f"python - {' '.join(flags)}: {elapsed:.1f} s, rc {done.returncode}")
+    return done
+
+
+@pytest.mark.parametrize("flags", [(), ("no-cloudpickle",)], ids=["cloudpickle", "fork"])
+def test_function_defined_in_python_stdin_runs(flags):
+    if not flags:
+        pytest.importorskip("cloudpickle")
+    done = _run_interactive(*flags)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "RESULT [6.0, 6.0]" in done.stdout
+
+
+def test_unshippable_unforkable_function_fails_at_once_saying_what_to_do():
+    done = _run_interactive("no-cloudpickle", "thread")
+    assert done.returncode == 3, done.stdout + done.stderr
+    assert "work (or an argument) is defined in an interactive __main__" in done.stdout
+    assert "non-daemon threads ['busy']" in done.stdout
+    assert "pip install cloudpickle" in done.stdout

@@ -6,8 +6,15 @@ and rendezvous from SLURM's variables alone (the first host of the nodelist, por
 to one process trained on both ranks' batches. The script build_sbatch_script prints is accepted
 by sbatch, runs one `tandem run` per node through srun with the arguments intact and the node
 placement node_placement_from_slurm derives, and trains the same way through the real
-`tandem run`; its trap turns the pre-timeout USR1 into a requeue after which the job runs again
-(SLURM_RESTART_COUNT=1) and completes.
+`tandem run`; its trap passes the pre-timeout USR1 on to the step's processes and then requeues
+the job, after which it runs again (SLURM_RESTART_COUNT=1) and completes. Preemption: a Trainer
+job (`--requeue`) that `scontrol requeue` interrupts after its first checkpoint runs again,
+prints the Trainer's "resumed from" line for a checkpoint of the first attempt, and ends with all
+its epochs and exactly the steps of an uninterrupted run. The scheduling options tandem slurm
+adds (--mem, --exclusive, --signal, extra --sbatch lines) are accepted by the real sbatch.
+Before the time limit: USR1 sent to the batch shell (as --signal=B:USR1 does) reaches the
+Trainer's workers through the trap and srun, and they save a checkpoint and train on; the
+requeue that follows stops them, and the job resumes and completes.
 
 Skipped, saying why, where no SLURM cluster answers; ci/slurm/setup.sh makes a one-node one.
 """
@@ -28,7 +35,7 @@ import torch
 from tandem.launch.env import slurm_master_port
 from tandem.launch.hostlist import expand_hostlist
 from tandem.launch.slurm import build_sbatch_script
-from tests.slurm import train_job
+from tests.slurm import train_job, trainer_job
 
 REPO = Path(__file__).resolve().parents[2]
 JOB_TIMEOUT_S = 180
@@ -235,6 +242,8 @@ def test_printed_script_runs_tandem_run_per_node_and_requeues(tmp_path):
         "attempt = os.environ.get('SLURM_RESTART_COUNT', '0')\n"
         "print('TANDEM', attempt, repr(sys.argv[1:]), repr(node_placement_from_slurm(os.environ)),"
         " os.environ['SLURM_JOB_NODELIST'], sep='\\t', flush=True)\n"
+        "import signal\n"
+        "signal.signal(signal.SIGUSR1, lambda *_: print('TANDEM got USR1', flush=True))\n"
         "if attempt == '0':\n"
         "    time.sleep(120)\n",
     )
@@ -249,17 +258,21 @@ def test_printed_script_runs_tandem_run_per_node_and_requeues(tmp_path):
             time="00:05:00",
             job_name="tandem-test-requeue",
             script_args=script_args,
+            # The requeue follows half the lead after the signal: 5 s, not 45.
+            signal="USR1@10",
         )
     )
     env = _job_environment(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
 
     job = Job(script, tmp_path / "out.txt", env)
     job.wait_for(lambda: "TANDEM\t0\t" in job.log(), "the first attempt to start")
-    # What Slurm does 90 s before the limit (--signal=B:USR1@90), without waiting for it.
+    # What Slurm does 10 s before the limit (--signal=B:USR1@10), without waiting for it.
     subprocess.run(["scancel", "--batch", "--signal=USR1", str(job.id)], check=True)
     log = job.finish(REQUEUE_TIMEOUT_S)
 
     assert f"requeueing job {job.id}" in log
+    # The trap passed the signal on through srun to the step (the stand-in `tandem`).
+    assert "TANDEM got USR1" in log, log
     attempts = [line.split("\t") for line in log.splitlines() if line.startswith("TANDEM\t")]
     assert [a[1] for a in attempts] == ["0", "1"], log
     for _, _, argv, placement, nodelist in attempts:
@@ -267,3 +280,86 @@ def test_printed_script_runs_tandem_run_per_node_and_requeues(tmp_path):
         host = expand_hostlist(nodelist)[0]
         assert placement == repr((1, 0, host, slurm_master_port(job.id)))
     assert job.field("Restarts") == "1"
+
+
+def test_requeued_trainer_job_resumes_from_its_checkpoint(tmp_path):
+    bin_dir = _bin_with_tandem(tmp_path, "from tandem.cli import main\nsys.exit(main())\n")
+    run_dir = tmp_path / "run"
+    script = tmp_path / "job.sh"
+    script.write_text(
+        build_sbatch_script(
+            nodes=1,
+            gpus_per_node=0,
+            nproc_per_node=2,
+            cpus_per_task=2,
+            time="00:05:00",
+            job_name="tandem-test-preempt",
+            requeue=True,
+            mem="1G",
+            exclusive=True,
+            sbatch=["--comment=tandem-test"],
+            script_args=[str(REPO / "tests" / "slurm" / "trainer_job.py"), str(run_dir)],
+        )
+    )
+    env = _job_environment(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+
+    job = Job(script, tmp_path / "out.txt", env)
+    latest = run_dir / "checkpoints" / "latest"
+    job.wait_for(latest.exists, "the first checkpoint")
+    # What a preemption with PreemptMode=REQUEUE (or an admin) does to a running job.
+    subprocess.run(["scontrol", "requeue", str(job.id)], check=True)
+    log = job.finish(REQUEUE_TIMEOUT_S)
+
+    assert job.field("Restarts") == "1"
+    finals = [line[line.index("FINAL") :].split() for line in log.splitlines() if "FINAL" in line]
+    # The first attempt stopped early (on the requeue's SIGTERM, or killed), the second ran on.
+    assert finals[-1][-1] == "1", log
+    assert not any(f[-1] == "0" and f[2] == str(trainer_job.EPOCHS) for f in finals), log
+    resumed = [line for line in log.splitlines() if "resumed from" in line]
+    assert len(resumed) == 1, log
+    assert str(run_dir / "checkpoints" / "ckpt-e") in resumed[0]
+    # All the epochs, and the steps of an uninterrupted run: the resume lost and redid none.
+    steps = trainer_job.EPOCHS * trainer_job.SAMPLES // (2 * trainer_job.BATCH)
+    assert finals[-1][:5] == ["FINAL", "epochs", str(trainer_job.EPOCHS), "steps", str(steps)]
+
+
+def test_signal_before_the_limit_checkpoints_the_workers_then_requeues(tmp_path):
+    bin_dir = _bin_with_tandem(tmp_path, "from tandem.cli import main\nsys.exit(main())\n")
+    run_dir = tmp_path / "run"
+    epochs = 12
+    script = tmp_path / "job.sh"
+    script.write_text(
+        build_sbatch_script(
+            nodes=1,
+            gpus_per_node=0,
+            nproc_per_node=2,
+            cpus_per_task=2,
+            time="00:05:00",
+            job_name="tandem-test-signal",
+            # The requeue follows half the lead after the signal: 5 s.
+            signal="USR1@10",
+            # No checkpoints but those the signals ask for.
+            script_args=[
+                str(REPO / "tests" / "slurm" / "trainer_job.py"),
+                str(run_dir),
+                str(epochs),
+                "1000",
+            ],
+        )
+    )
+    env = _job_environment(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+
+    job = Job(script, tmp_path / "out.txt", env)
+    job.wait_for(lambda: "epoch   1 " in job.log(), "the first epoch")
+    # What Slurm does 10 s before the limit (--signal=B:USR1@10), without waiting for it.
+    subprocess.run(["scancel", "--batch", "--signal=USR1", str(job.id)], check=True)
+    log = job.finish(REQUEUE_TIMEOUT_S)
+
+    first, _, second = log.partition(f"requeueing job {job.id}")
+    assert second, log
+    # The workers saved on USR1 (no other save was due) and trained on: CHECKPOINT is printed
+    # at a later step.
+    assert "CHECKPOINT " in first.partition("USR1 from Slurm")[2], log
+    assert "resumed from" in second, log
+    steps = epochs * trainer_job.SAMPLES // (2 * trainer_job.BATCH)
+    assert f"FINAL epochs {epochs} steps {steps} stopped_by None restart 1" in second, log

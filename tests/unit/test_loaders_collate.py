@@ -52,4 +52,4 @@ def test_collate_fn_builds_every_batch():
 def test_default_collation_is_unchanged():
     ids, text = next(iter(_loaders().epoch(0)))
     assert isinstance(ids, torch.Tensor) and ids.shape == (4,)
-    assert text == [f"sample {i}" for i in ids.tolist()]
+    assert list(text) == [f"sample {i}" for i in ids.tolist()]

@@ -49,7 +49,9 @@ def _plan(**kwargs) -> RunPlan:
 def test_plan_limits_total_steps_and_schedule():
     with pytest.raises(ValueError, match="neither max_epochs nor max_steps"):
         _plan()
-    with pytest.raises(ValueError, match="save_every_steps must be an int >= 1 or None, got 0"):
+    with pytest.raises(
+        ValueError, match=r"save_every_steps must be an int >= 1, got 0 \(or None\)"
+    ):
         _plan(max_steps=5, save_every_steps=0)
     epochs = _plan(max_epochs=3)
     assert epochs.save_every == 1  # the default: every epoch

@@ -4,8 +4,9 @@ Proves: the script's #SBATCH block asks for exactly one task per node with the G
 partition, log and requeue options given, ahead of any command (where sbatch stops reading);
 bash itself hands srun the script's arguments unchanged, whatever quotes, spaces, `$` or
 newlines they hold (checked against hypothesis' strings by running the script with a stub srun),
-and shlex reads the srun line the same way; when USR1 reaches the batch shell, the trap runs
-`scontrol requeue $SLURM_JOB_ID` and the script still ends with srun's own exit status; the
+and shlex reads the srun line the same way; when USR1 reaches the batch shell, the trap passes it to
+srun and then runs `scontrol requeue $SLURM_JOB_ID`, and the script still ends with srun's own
+exit status (tests/unit/test_slurm_script.py covers the other options); the
 command line takes dashed and underscored options and `--`, and rejects bad values naming them;
 node_placement_from_slurm reads what srun sets (the step's variables first), returns None outside
 a step, and names the variable and value of every bad one; importing the module imports no torch.
@@ -88,7 +89,7 @@ def test_reference_script_asks_for_one_task_per_node_and_a_requeue():
         "0.1",
     ]
     assert 'scontrol requeue "$SLURM_JOB_ID"' in script
-    assert "trap requeue USR1" in script
+    assert "trap on_signal USR1" in script
 
 
 def test_sbatch_block_comes_before_any_command():
@@ -149,6 +150,8 @@ def test_no_partition_leaves_the_clusters_default():
 # --- the script, run by bash with stub srun and scontrol ---------------------------------------
 
 _STUB_SRUN = """#!/bin/bash
+# Records the signals it gets (as srun would pass them to the tasks) instead of dying of them.
+for sig in USR1 USR2 TERM; do trap "echo $sig >> $STUB_DIR/srun.signals" $sig; done
 printf '%s\\0' "$@" > "$STUB_DIR/srun.args"
 # Stay running until the test (or the stub scontrol) says so, then exit with SRUN_EXIT.
 while [ -n "$SRUN_WAIT" ] && [ ! -e "$STUB_DIR/release" ]; do sleep 0.02; done
@@ -172,7 +175,7 @@ def stubs(tmp_path_factory) -> Path:
 def _start(script: str, stubs: Path, work: Path, **env: str) -> subprocess.Popen:
     path = work / "job.sh"
     path.write_text(script)
-    for leftover in ("srun.args", "scontrol.args", "release"):
+    for leftover in ("srun.args", "srun.signals", "scontrol.args", "release"):
         (work / leftover).unlink(missing_ok=True)
     environ = {
         **os.environ,
@@ -224,8 +227,9 @@ def test_script_exits_with_sruns_status(stubs, tmp_path):
     assert not (tmp_path / "scontrol.args").exists()
 
 
-def test_usr1_requeues_the_job_and_the_script_waits_for_srun(stubs, tmp_path):
-    script = build_sbatch_script(**REFERENCE)
+def test_usr1_reaches_srun_then_requeues_and_the_script_waits_for_srun(stubs, tmp_path):
+    # A lead of 4 s: the requeue comes half of it (2 s) after the signal.
+    script = build_sbatch_script(**REFERENCE, signal="USR1@4")
     job = _start(script, stubs, tmp_path, SRUN_WAIT="1", SRUN_EXIT="5")
     deadline = time.monotonic() + 30
     while not (tmp_path / "srun.args").exists():  # srun starts after the trap is set
@@ -237,6 +241,7 @@ def test_usr1_requeues_the_job_and_the_script_waits_for_srun(stubs, tmp_path):
     output, _ = job.communicate(timeout=30)
 
     assert _args(tmp_path / "scontrol.args") == ["requeue", "77"]
+    assert (tmp_path / "srun.signals").read_text() == "USR1\n"
     assert b"requeueing job 77" in output
     # The interrupted `wait` was resumed: the status is srun's, not the 138 of the signal.
     assert job.returncode == 5, output

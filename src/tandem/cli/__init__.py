@@ -18,19 +18,48 @@ from __future__ import annotations
 import argparse
 import sys
 
+from tandem import __version__
 from tandem.cli import export, lmdb, run, slurm
 from tandem.launch.rendezvous import LaunchError
+from tandem.launch.torchrun_flags import DefaultsHelpFormatter
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``tandem`` command; returns the exit status."""
-    parser = argparse.ArgumentParser(prog="tandem", description=(__doc__ or "").split("\n")[0])
+def _show_defaults(parser: argparse.ArgumentParser) -> None:
+    """Every ``--help`` says each option's default, nested verbs (``tandem lmdb convert``) too."""
+    if parser.formatter_class is argparse.HelpFormatter:
+        parser.formatter_class = DefaultsHelpFormatter
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                _show_defaults(sub)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``tandem`` command's parser, every verb registered.
+
+    Example::
+
+        args = build_parser().parse_args(["run", "--nproc_per_node=2", "train.py"])
+    """
+    parser = argparse.ArgumentParser(
+        prog="tandem",
+        description=(__doc__ or "").split("\n")[0],
+        formatter_class=DefaultsHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"tandem {__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True)
     run.register(subparsers)
     slurm.register(subparsers)
     lmdb.register(subparsers)
     export.register(subparsers)
-    args = parser.parse_args(argv)
+    for verb in subparsers.choices.values():
+        _show_defaults(verb)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``tandem`` command; returns the exit status."""
+    args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except (LaunchError, ValueError) as exc:

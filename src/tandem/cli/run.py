@@ -13,13 +13,17 @@ Example::
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import dataclasses
 import os
-import shutil
+import signal
 import sys
+import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 from tandem.doctor import trace
+from tandem.launch.command import worker_command
+from tandem.launch.logfiles import LogPlan
 from tandem.launch.rendezvous import (
     Coordinator,
     LaunchError,
@@ -27,16 +31,20 @@ from tandem.launch.rendezvous import (
     StoreCoordinator,
 )
 from tandem.launch.supervisor import LaunchSpec, Supervisor
+from tandem.launch.torchrun_flags import (
+    C10D_DEFAULT_PORT,
+    RDZV_BACKENDS,
+    DefaultsHelpFormatter,
+    add_torchrun_flags,
+    flag,
+    parse_endpoint,
+    parse_nnodes,
+    parse_rdzv_conf,
+    parse_signals,
+    parse_std,
+)
 
 DEFAULT_MULTINODE_PORT = 29500
-
-
-def _flag(parser: argparse.ArgumentParser, name: str, **kwargs: object) -> None:
-    """Add ``--some-flag`` with its torchrun spelling ``--some_flag`` as an alias."""
-    names = [f"--{name}"]
-    if "-" in name:
-        names.append(f"--{name.replace('-', '_')}")
-    parser.add_argument(*names, **kwargs)  # type: ignore[arg-type]
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -45,55 +53,58 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "run",
         help="start one worker per device (torchrun's flags)",
         description="Start NPROC_PER_NODE workers of a script or module with torchrun's "
-        "environment, supervise them, and stop them all at the first failure.",
+        "environment, supervise them, and stop them all at the first failure. Every torchrun "
+        "flag is accepted (dashes or underscores; PET_<NAME> variables as defaults).",
+        formatter_class=DefaultsHelpFormatter,
     )
-    _flag(
-        p, "nproc-per-node", default="1", help="a number, or auto (one per GPU, else 1), gpu, cpu"
+    add_torchrun_flags(p)
+    own = p.add_argument_group("tandem's own", "what torchrun does not have")
+    flag(
+        own,
+        "--backend",
+        default=None,
+        choices=["gloo", "nccl", "mpi"],
+        help="for tandem.init() (default: nccl with GPUs, else gloo)",
     )
-    _flag(p, "nnodes", default=None, help="number of nodes (default 1, or SLURM's)")
-    _flag(p, "node-rank", default=None, help="this node's rank (default 0, or SLURM's)")
-    _flag(p, "master-addr", default=None, help="node 0's address (default 127.0.0.1 for one node)")
-    _flag(p, "master-port", default=None, type=int, help="default: a free port on one node")
-    _flag(p, "max-restarts", default=0, type=int, help="restart all workers up to K times")
-    _flag(p, "log-dir", default=None, type=Path, help="also write each rank's output here")
-    _flag(p, "backend", default=None, choices=["gloo", "nccl", "mpi"], help="for tandem.init()")
-    _flag(
-        p,
-        "hang-report-after",
+    flag(
+        own,
+        "--hang-report-after",
         default=None,
         type=float,
-        help="seconds a collective may block before a hang report (default 60)",
+        help="seconds a collective may block before a hang report (default: 60)",
     )
-    _flag(
-        p,
-        "trace",
+    flag(
+        own,
+        "--trace",
         default=None,
         type=Path,
         help="write every rank's timeline here, merged into DIR/trace.json (Chrome trace: "
         "ui.perfetto.dev, chrome://tracing)",
     )
-    _flag(p, "ranks", default=None, help="show only these global ranks' output, e.g. 0 or 0,3")
-    _flag(p, "local-ranks-filter", default=None, help="torchrun's: show only these local ranks")
-    _flag(p, "no-prefix", action="store_true", help="do not prefix lines with [rank N]")
-    _flag(p, "rdzv-timeout", default=300.0, type=float, help="seconds to wait for all nodes")
-    _flag(
-        p,
-        "grace-period",
+    flag(own, "--ranks", default=None, help="show only these global ranks' output, e.g. 0 or 0,3")
+    flag(own, "--no-prefix", switch=True, help="do not prefix lines with [rank N]")
+    flag(
+        own,
+        "--rdzv-timeout",
+        default=300.0,
+        type=float,
+        help="seconds to wait for all nodes (--rdzv-conf join_timeout= overrides)",
+    )
+    flag(
+        own,
+        "--grace-period",
         default=3.0,
         type=float,
         help="after a worker failed: seconds the others get between SIGTERM and SIGKILL",
     )
-    _flag(
-        p,
-        "term-timeout",
+    flag(
+        own,
+        "--term-timeout",
         default=30.0,
         type=float,
         help="after SIGTERM/SIGINT to tandem run: seconds the workers get to finish (a "
         "Trainer saves a checkpoint) before SIGKILL",
     )
-    _flag(p, "standalone", action="store_true", help="accepted for torchrun compatibility")
-    _flag(p, "no-python", action="store_true", help="run the script as an executable")
-    p.add_argument("-m", "--module", action="store_true", help="run a module, as python -m")
     p.add_argument("script", help="the training script (or module, with -m)")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's arguments")
     p.set_defaults(func=run_command)
@@ -130,24 +141,8 @@ def _nproc(value: str) -> int:
     return _positive_int("nproc-per-node", value)
 
 
-def _command(args: argparse.Namespace) -> list[str]:
-    if args.no_python:
-        if args.module:
-            raise LaunchError("--no-python and -m cannot be combined")
-        if shutil.which(args.script) is None:
-            raise LaunchError(f"executable {args.script!r} not found (with --no-python)")
-        return [args.script, *args.script_args]
-    if args.module:
-        if importlib.util.find_spec(args.script) is None:
-            raise LaunchError(f"module {args.script!r} not found by {sys.executable}")
-        return [sys.executable, "-u", "-m", args.script, *args.script_args]
-    if not Path(args.script).is_file():
-        raise LaunchError(f"script {args.script!r} not found (cwd: {os.getcwd()})")
-    return [sys.executable, "-u", args.script, *args.script_args]
-
-
 def _ranks(text: str | None, name: str) -> set[int] | None:
-    if text is None:
+    if not text:  # torchrun's default is "": no filter
         return None
     try:
         return {int(r) for r in text.replace(" ", "").split(",") if r}
@@ -155,55 +150,163 @@ def _ranks(text: str | None, name: str) -> set[int] | None:
         raise LaunchError(f"--{name} {text!r} is not a comma-separated list of ranks") from None
 
 
-def build_spec(args: argparse.Namespace) -> tuple[LaunchSpec, str, int | None]:
-    """Validate the arguments; return the spec and the rendezvous address and port."""
-    nproc = _nproc(str(args.nproc_per_node))
-    nnodes, node_rank, addr, port = args.nnodes, args.node_rank, args.master_addr, args.master_port
-    if nnodes is None and node_rank is None and "SLURM_JOB_ID" in os.environ:
+@dataclass(frozen=True)
+class Meeting:
+    """Where this node's launcher meets the others: the rendezvous part of the command line."""
+
+    backend: str  # "local" (one node), "static" or "c10d"
+    addr: str
+    port: int | None
+    node_rank: int | None  # None: c10d numbers the nodes by arrival
+    timeout: float
+    is_host: bool | None = None
+
+
+def _placement(args: argparse.Namespace) -> tuple[int, Meeting]:
+    """The node count and the meeting, from torchrun's rendezvous flags (or SLURM's)."""
+    backend = args.rdzv_backend
+    if backend not in RDZV_BACKENDS:
+        raise LaunchError(
+            f"--rdzv-backend {backend!r} is not supported: tandem run has static (the default: "
+            "--node-rank, --master-addr, --master-port) and c10d (--rdzv-endpoint HOST:PORT); "
+            "etcd and etcd-v2 need torchrun"
+        )
+    conf = parse_rdzv_conf(args.rdzv_conf)
+    timeout = _seconds(conf.get("join_timeout", args.rdzv_timeout), "join_timeout")
+    is_host = _flag_value(conf["is_host"]) if "is_host" in conf else None
+    node_rank, addr, port = args.node_rank, args.master_addr, args.master_port
+    if args.nnodes is not None:
+        nnodes, most = parse_nnodes(args.nnodes)
+        if most > nnodes:
+            _say(
+                f"--nnodes {args.nnodes}: the job starts with {nnodes} node(s), the first to "
+                "arrive; elastic membership (up to MAX) is not built yet, later nodes are refused"
+            )
+    elif node_rank is None and "SLURM_JOB_ID" in os.environ:
         from tandem.launch.slurm_node import node_placement_from_slurm
 
         # Under srun with one task per node, SLURM says which node this is and where node 0 is.
+        nnodes = 1
         slurm = node_placement_from_slurm(os.environ)
         if slurm is not None:
             nnodes, node_rank, slurm_addr, slurm_port = slurm
             addr = addr or (slurm_addr if nnodes > 1 else None)
             port = port or (slurm_port if nnodes > 1 else None)
-    nnodes = _positive_int("nnodes", nnodes if nnodes is not None else 1)
-    node_rank = _positive_int("node-rank", node_rank if node_rank is not None else 0, minimum=0)
-    if node_rank >= nnodes:
+    else:
+        nnodes = 1
+    if args.standalone:
+        if nnodes > 1:
+            raise LaunchError(f"--standalone is one node, but --nnodes is {args.nnodes}")
+        backend = "static"  # torchrun: --rdzv-* "auto-assigned and explicit values ignored"
+    if node_rank is not None and node_rank < 0:
+        raise LaunchError(f"--node-rank {node_rank} must be >= 0")
+    if node_rank is not None and node_rank >= nnodes:
         raise LaunchError(f"--node-rank {node_rank} must be < --nnodes {nnodes}")
     if port is not None and not 1 <= port <= 65535:
         raise LaunchError(f"--master-port {port} is outside 1..65535")
-    if nnodes > 1 and addr is None:
+    if nnodes == 1:
+        # One node: rendezvous on loopback, where no other host can reach or disturb it.
+        local_port = port if backend == "static" else None
+        return 1, Meeting("local", addr or "127.0.0.1", local_port, 0, timeout)
+    if backend == "c10d":
+        if not args.rdzv_endpoint:
+            raise LaunchError(f"--rdzv-backend c10d with --nnodes {nnodes} needs --rdzv-endpoint")
+        host, c10d_port = parse_endpoint(args.rdzv_endpoint, C10D_DEFAULT_PORT)
+        return nnodes, Meeting("c10d", host, c10d_port, node_rank, timeout, is_host)
+    if args.rdzv_endpoint:  # torchrun's static rendezvous takes the endpoint as node 0's
+        addr, port = parse_endpoint(args.rdzv_endpoint, port or DEFAULT_MULTINODE_PORT)
+    if addr is None:
         raise LaunchError(f"--nnodes {nnodes} needs --master-addr: node 0's address")
+    return nnodes, Meeting("static", addr, port or DEFAULT_MULTINODE_PORT, node_rank or 0, timeout)
+
+
+def _seconds(value: object, name: str) -> float:
+    try:
+        seconds = float(str(value))
+    except ValueError:
+        raise LaunchError(f"--rdzv-conf {name}={value!r} is not a number of seconds") from None
+    if seconds <= 0:
+        raise LaunchError(f"--rdzv-conf {name}={value!r} must be > 0 seconds")
+    return seconds
+
+
+def _flag_value(text: str) -> bool:
+    if text.lower() in ("1", "true", "t", "yes", "y"):
+        return True
+    if text.lower() in ("0", "false", "f", "no", "n"):
+        return False
+    raise LaunchError(f"--rdzv-conf is_host={text!r} is not a boolean (1 or 0)")
+
+
+def build_spec(args: argparse.Namespace) -> tuple[LaunchSpec, Meeting]:
+    """Validate the arguments; return the spec and where the nodes meet.
+
+    Example::
+
+        spec, meeting = build_spec(parser.parse_args(["run", "--nproc-per-node", "2", "t.py"]))
+    """
+    nproc = _nproc(str(args.nproc_per_node))
+    nnodes, meeting = _placement(args)
     if args.max_restarts < 0:
         raise LaunchError(f"--max-restarts {args.max_restarts} must be >= 0")
+    for name in ("numa_binding", "duplicate_stdout_filters", "duplicate_stderr_filters"):
+        if getattr(args, name):
+            _say(f"warning: --{name.replace('_', '-')} is accepted but not applied by tandem run")
+    if args.logs_specs is not None:
+        _say(f"warning: --logs-specs {args.logs_specs!r} is ignored: tandem's own log layout")
+    command = worker_command(
+        args.script,
+        args.script_args,
+        module=args.module,
+        no_python=args.no_python,
+        run_path=args.run_path,
+    )
+    run_id = args.rdzv_id if args.rdzv_id != "none" else uuid.uuid4().hex[:12]
     show = _ranks(args.ranks, "ranks")
     local = _ranks(args.local_ranks_filter, "local-ranks-filter")
-    if local is not None:
-        local_shown = {node_rank * nproc + r for r in local}
-        show = local_shown if show is None else show & local_shown
+    logs = LogPlan(
+        Path(args.log_dir) if args.log_dir else None,
+        run_id,
+        parse_std(args.redirects, nproc, "redirects"),
+        parse_std(args.tee, nproc, "tee"),
+    )
+    if logs.run_dir is not None:
+        _say(f"each worker's output goes to {logs.run_dir}/attempt_<n>/<local rank>/")
     spec = LaunchSpec(
-        command=_command(args),
+        command=command,
         nproc_per_node=nproc,
         nnodes=nnodes,
-        node_rank=node_rank,
+        node_rank=meeting.node_rank or 0,  # c10d by arrival: replaced once it is known
         max_restarts=args.max_restarts,
-        log_dir=args.log_dir,
+        log_dir=logs.run_dir,
         show_ranks=frozenset(show) if show is not None else None,
         prefix=not args.no_prefix,
         backend=args.backend,
         grace_s=args.grace_period,
-        term_timeout_s=args.term_timeout,
+        term_timeout_s=(
+            args.term_timeout if args.shutdown_timeout is None else args.shutdown_timeout
+        ),
+        run_id=run_id,
+        logs=logs,
+        role=args.role,
+        virtual_local_rank=args.virtual_local_rank,
+        signals=_signals(args.signals_to_handle),
+        local_ranks=frozenset(local) if local is not None else None,
     )
-    # One node: rendezvous on loopback, where no other host can reach or disturb it.
-    return spec, addr or "127.0.0.1", port
+    return spec, meeting
+
+
+def _signals(text: str) -> tuple[int, ...]:
+    # SIGUSR1 always: it asks the workers to checkpoint now (tandem's Trainer).
+    names = (*parse_signals(text), "SIGUSR1")
+    return tuple(dict.fromkeys(int(getattr(signal, n)) for n in names))
 
 
 def run_command(args: argparse.Namespace) -> int:
     """``tandem run``: returns the exit status (0, or the first failure's)."""
-    if args.term_timeout < 0:
-        raise ValueError(f"--term-timeout must be >= 0 seconds, got {args.term_timeout}")
+    term = args.term_timeout if args.shutdown_timeout is None else args.shutdown_timeout
+    if term < 0:
+        raise ValueError(f"--term-timeout must be >= 0 seconds, got {term}")
     after = args.hang_report_after
     if after is not None:
         if not after > 0:
@@ -212,17 +315,33 @@ def run_command(args: argparse.Namespace) -> int:
     if args.trace is not None:
         args.trace.mkdir(parents=True, exist_ok=True)
         os.environ[trace.ENV] = str(args.trace.resolve())  # the workers inherit it
-    spec, addr, port = build_spec(args)
+    spec, meeting = build_spec(args)
+    # As torch's launcher does: in its own environment, which the workers inherit.
+    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = args.signals_to_handle
     coordinator: Coordinator
-    if spec.nnodes == 1:
-        coordinator = LocalCoordinator(addr, port)
+    if meeting.backend == "local":
+        coordinator = LocalCoordinator(meeting.addr, meeting.port)
     else:
-        port = port or DEFAULT_MULTINODE_PORT
-        coordinator = StoreCoordinator(spec.nnodes, spec.node_rank, addr, port, args.rdzv_timeout)
+        store = StoreCoordinator(
+            spec.nnodes,
+            meeting.node_rank,
+            meeting.addr,
+            meeting.port or DEFAULT_MULTINODE_PORT,
+            meeting.timeout,
+            is_host=meeting.is_host,
+            job=args.rdzv_id,  # as given: the same on every node (run_id may be random)
+        )
+        # c10d numbers nodes as they arrive: only now is this node's rank known.
+        spec = dataclasses.replace(spec, node_rank=store.node_rank)
+        coordinator = store
     code = Supervisor(spec, coordinator).run()
     if args.trace is not None:
         _merge_trace(args.trace, spec)
     return code
+
+
+def _say(message: str) -> None:
+    print(f"tandem run: {message}", file=sys.stderr, flush=True)
 
 
 def _merge_trace(directory: Path, spec: LaunchSpec) -> None:

@@ -11,7 +11,8 @@ import argparse
 import re
 import sys
 
-from tandem.launch.slurm import build_sbatch_script, parse_time
+from tandem.launch.slurm import DEFAULT_SIGNAL, build_sbatch_script, parse_time
+from tandem.launch.slurm_options import check_mem, parse_signal
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -58,6 +59,34 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     option("job-name", default="tandem", help="job name (default: %(default)s)")
     option("output", default="%x-%j.out", help="log file (default: %(default)s)")
     option("nproc-per-node", type=_positive, help="workers per node (default: --gpus-per-node)")
+    option("account", help="account to charge (default: your default account)")
+    option("qos", help="quality of service (default: the association's)")
+    option("mem", type=_mem, help="memory per node: 64G, 16000M, 0 for all (default: Slurm's)")
+    option("constraint", help="node features required, e.g. 'a100&ib' (default: none)")
+    option("exclusive", action="store_true", help="whole nodes, shared with no other job")
+    option(
+        "requeue",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="requeue after --signal, and on preemption or node failure; the training script "
+        "must resume from its latest checkpoint (default: %(default)s)",
+    )
+    option(
+        "signal",
+        type=_signal,
+        default=DEFAULT_SIGNAL,
+        help="SIG@SECONDS: Slurm signals the batch shell SECONDS before the time limit and the "
+        "script passes it to every worker (USR1: the Trainer checkpoints); 'none' for no "
+        "signal (default: %(default)s)",
+    )
+    option(
+        "sbatch",
+        action="append",
+        default=[],
+        metavar="OPTION",
+        help="another #SBATCH option, e.g. --sbatch mail-type=END (the leading -- may be "
+        "left out); repeat for more",
+    )
     parser.add_argument(
         "-m", "--module", action="store_true", help="run the script as a module (python -m)"
     )
@@ -89,6 +118,14 @@ def main(args: argparse.Namespace) -> int:
             script_args=script_args,
             module=args.module,
             output=args.output,
+            account=args.account,
+            qos=args.qos,
+            mem=args.mem,
+            constraint=args.constraint,
+            exclusive=args.exclusive,
+            requeue=args.requeue,
+            signal=args.signal,
+            sbatch=args.sbatch,
         )
     except ValueError as exc:
         print(f"tandem slurm: error: {exc}", file=sys.stderr)
@@ -123,6 +160,15 @@ def _check_time(text: str) -> str:
     return text
 
 
+def _check_signal(text: str) -> str | None:
+    if text.strip().lower() == "none":
+        return None
+    parse_signal(text)
+    return text
+
+
 _positive = _integer_at_least(1)
 _non_negative = _integer_at_least(0)
 _time = _argument(_check_time)
+_mem = _argument(check_mem)
+_signal = _argument(_check_signal)

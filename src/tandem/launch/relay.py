@@ -189,7 +189,7 @@ def _pump_chunks(pipe: IO[bytes], sink: _Sink) -> None:
         chunk = os.read(fd, 1 << 16)
         for piece in _BREAKS.split(decoder.decode(chunk, final=not chunk)):
             if piece in ("\n", "\r\n"):
-                if live:  # a bar that ends with a newline stays, as a line
+                if live and shown:  # a bar that ends with a newline stays, as a line
                     sink.show(shown := "")
                 sink.line(current)
                 current, live = "", False

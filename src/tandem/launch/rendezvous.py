@@ -22,7 +22,7 @@ import sys
 import time
 from collections.abc import Mapping
 from dataclasses import asdict
-from typing import Protocol
+from typing import Any, Protocol
 
 from tandem.launch.failures import Failure
 
@@ -62,6 +62,19 @@ class Coordinator(Protocol):
     def report_failure(self, attempt: int, failure: Failure) -> None: ...
 
     def finish(self, attempt: int) -> Failure | None: ...
+
+
+def _is_host(addr: str, is_host: bool | None) -> bool:
+    """Whether this machine is ``addr``: the c10d store's host (``is_host`` overrides)."""
+    if is_host is not None:
+        return is_host
+    try:
+        # torch's own test (hostname, FQDN, every address of this machine), so that tandem and
+        # torchrun pick the same host for the same endpoint.
+        from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
+    except ImportError:  # pragma: no cover - a torch without elastic
+        return addr in ("localhost", "127.0.0.1", "::1", socket.gethostname())
+    return bool(_matches_machine_hostname(addr))
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -114,17 +127,62 @@ class StoreCoordinator:
 
     Workers use the same store for their own rendezvous (torch's "agent store", under a prefix
     per attempt), so node 0's launcher must outlive every node's workers: it waits in finish().
+
+    ``node_rank=None`` is torchrun's c10d rendezvous (``--rdzv-endpoint``, no ``--node-rank``):
+    the node whose address is the endpoint's (torch's own test, or ``is_host`` from
+    ``--rdzv-conf``) hosts the store and is node 0; the others are numbered 1, 2, ... in the
+    order they reach it (an atomic counter in the store). torch numbers c10d nodes by their
+    sorted descriptors instead, so there the store's host need not be node 0; both give each
+    node a distinct rank, which is all a torchrun script may rely on. A node arriving when
+    ``nnodes`` are there already is refused with an error (no elastic admission yet).
     """
 
-    def __init__(self, nnodes: int, node_rank: int, addr: str, port: int, timeout: float) -> None:
+    def __init__(
+        self,
+        nnodes: int,
+        node_rank: int | None,
+        addr: str,
+        port: int,
+        timeout: float,
+        is_host: bool | None = None,
+        job: str = "none",
+    ) -> None:
         from datetime import timedelta
 
         # torch only here: a one-node launch never imports it and starts in a fraction of a second.
         from torch.distributed import TCPStore
 
-        self.nnodes, self.node_rank, self.addr, self.port = nnodes, node_rank, addr, port
+        self.nnodes, self.addr, self.port = nnodes, addr, port
         self.timeout = timeout
         self.scope = key_scope()
+        self.host = socket.gethostname()
+        delta = timedelta(seconds=timeout)
+        hosting = node_rank == 0 if node_rank is not None else _is_host(addr, is_host)
+        self.store: Any = None
+        serving = False
+        if hosting:
+            try:
+                check_port_free("0.0.0.0", port)
+                self.store = TCPStore(addr, port, None, True, delta, wait_for_workers=False)
+                serving = True
+            except (LaunchError, RuntimeError):
+                # As torch's c10d: a host found by its address that cannot listen (another
+                # launcher on this machine is the host) joins as a client instead.
+                if node_rank is not None or is_host is not None:
+                    raise
+        if self.store is None:
+            self.store = self._connect(TCPStore, addr, port, delta, node_rank)
+        if node_rank is None:
+            # The host is node 0 (it listens before anyone can arrive); the others count their
+            # arrival on the store's atomic counter (1, 2, ...): no two get the same rank.
+            node_rank = 0 if serving else self.store.add(f"tandem/{self.scope}{job}/arrivals", 1)
+            if node_rank >= nnodes:
+                raise LaunchError(
+                    f"this node arrived as node {node_rank} at the rendezvous {addr}:{port} "
+                    f"(--rdzv-id {job}), but the job has --nnodes {nnodes}: the job is full "
+                    "(a later node is not admitted until elastic membership lands)"
+                )
+        self.node_rank = node_rank
         if not self.scope and node_rank == 0:
             print(
                 f"tandem run: warning: the job's store at {addr}:{port} takes keys from any "
@@ -133,21 +191,22 @@ class StoreCoordinator:
                 file=sys.stderr,
                 flush=True,
             )
-        self.host = socket.gethostname()
-        delta = timedelta(seconds=timeout)
-        if node_rank == 0:
-            check_port_free("0.0.0.0", port)
-            self.store = TCPStore(addr, port, None, True, delta, wait_for_workers=False)
-        else:
-            try:
-                self.store = TCPStore(addr, port, None, False, delta)
-            except RuntimeError as exc:
-                raise LaunchError(
-                    f"node {node_rank} could not reach node 0's rendezvous at {addr}:{port} "
-                    f"within {timeout:.0f} s: is node 0's `tandem run` started, with "
-                    f"--master-addr {addr} --master-port {port}, and is that port reachable "
-                    f"from this host? ({exc})"
-                ) from exc
+
+    def _connect(
+        self, store_type: type, addr: str, port: int, delta: object, node_rank: int | None
+    ) -> Any:
+        who = f"node {node_rank}" if node_rank is not None else "this node"
+        try:
+            return store_type(addr, port, None, False, delta)
+        except RuntimeError as exc:
+            raise LaunchError(
+                f"{who} could not reach node 0's rendezvous at {addr}:{port} within "
+                f"{self.timeout:.0f} s: is node 0's `tandem run` started, with --master-addr "
+                f"{addr} --master-port {port} (or --rdzv-endpoint {addr}:{port}), and is that "
+                f"port reachable from this host? (A c10d store's host is the node whose "
+                f"address the endpoint is; where the check misses it, give that node "
+                f"--rdzv-conf is_host=1.) ({exc})"
+            ) from exc
 
     def _key(self, attempt: int, name: str) -> str:
         return f"tandem/{self.scope}attempt_{attempt}/{name}"

@@ -41,6 +41,7 @@ from pathlib import Path
 
 from tandem.doctor import stragglers
 from tandem.launch.failures import Failure
+from tandem.launch.logfiles import LogPlan
 from tandem.launch.relay import CONSOLE_COLUMNS, CONSOLE_TTY, Console, console_env, relay
 from tandem.launch.rendezvous import Coordinator
 
@@ -67,6 +68,18 @@ class LaunchSpec:
     # checkpoint on SIGTERM; a large model's takes seconds) before SIGKILL.
     term_timeout_s: float = 30.0
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    logs: LogPlan | None = None  # per-rank files in torchrun's layout (logfiles.py)
+    role: str = "default"  # ROLE_NAME
+    virtual_local_rank: bool = False  # LOCAL_RANK=0, CUDA_VISIBLE_DEVICES narrowed to one GPU
+    signals: tuple[int, ...] = FORWARDED  # passed on to every worker
+    local_ranks: frozenset[int] | None = None  # --local-ranks-filter: shown on the console
+
+    def shown(self, local_rank: int) -> bool:
+        """Whether this local rank's output reaches the console (both filters agree)."""
+        rank = self.global_rank(local_rank)
+        return (self.show_ranks is None or rank in self.show_ranks) and (
+            self.local_ranks is None or local_rank in self.local_ranks
+        )
 
     @property
     def world_size(self) -> int:
@@ -85,7 +98,7 @@ class Worker:
         spec: LaunchSpec,
         local_rank: int,
         env: dict[str, str],
-        log: Path | None,
+        logs: LogPlan | None,
         console: Console | None = None,
     ):
         self.local_rank = local_rank
@@ -99,14 +112,19 @@ class Worker:
             stdin=subprocess.DEVNULL,
             preexec_fn=_in_own_group_dying_with_parent,
         )
-        show = spec.show_ranks is None or self.rank in spec.show_ranks
+        show = spec.shown(local_rank)
         prefix = f"[rank {self.rank}] " if spec.prefix else ""
-        echo = prefix if show else None
+        out_log, out_shown = logs.stream(local_rank, "stdout") if logs else (None, True)
+        err_log, err_shown = logs.stream(local_rank, "stderr") if logs else (None, True)
         # Rank 0's stderr carries its live bar when the console is a terminal (relay.py).
-        live = console is not None and self.rank == 0
+        live = console is not None and self.rank == 0 and err_shown
+        out_echo = prefix if show and out_shown else None
+        err_echo = prefix if show and err_shown else None
         self.threads = [
-            relay(self.proc.stdout, sys.stdout, echo, log, "stdout", None, console),
-            relay(self.proc.stderr, sys.stderr, echo, log, "stderr", self.tail, console, live),
+            relay(self.proc.stdout, sys.stdout, out_echo, out_log, "stdout", None, console),
+            relay(
+                self.proc.stderr, sys.stderr, err_echo, err_log, "stderr", self.tail, console, live
+            ),
         ]
 
     def signal(self, signum: int) -> None:
@@ -135,13 +153,13 @@ class Supervisor:
         self.own_reports = chosen is None  # a temporary directory, removed at the end
         self.reports = Path(chosen if chosen is not None else tempfile.mkdtemp(prefix="tandem-"))
         # A terminal behind the launcher, and rank 0's output shown here: rank 0 draws a bar.
-        shows_rank0 = spec.node_rank == 0 and (spec.show_ranks is None or 0 in spec.show_ranks)
+        shows_rank0 = spec.node_rank == 0 and spec.shown(0)
         self.console, self.console_env = (
             console_env(len("[rank 0] ") if spec.prefix else 0) if shows_rank0 else (None, {})
         )
 
     def run(self) -> int:
-        previous = {s: signal.signal(s, self._on_signal) for s in FORWARDED}
+        previous = {s: signal.signal(s, self._on_signal) for s in self.spec.signals}
         try:
             return self._attempts()
         finally:
@@ -208,7 +226,7 @@ class Supervisor:
             LOCAL_WORLD_SIZE=str(spec.nproc_per_node),
             GROUP_RANK=str(spec.node_rank),
             NODE_RANK=str(spec.node_rank),
-            ROLE_NAME="default",
+            ROLE_NAME=spec.role,
             TANDEM_REPORT_DIR=str(self.reports),
             ROLE_WORLD_SIZE=str(spec.world_size),
             MASTER_ADDR=addr,
@@ -217,6 +235,8 @@ class Supervisor:
             TANDEM_RESTART_COUNT=str(attempt),
             TORCHELASTIC_MAX_RESTARTS=str(spec.max_restarts),
             TORCHELASTIC_RUN_ID=spec.run_id,
+            GROUP_WORLD_SIZE=str(spec.nnodes),
+            TORCH_NCCL_ASYNC_ERROR_HANDLING=os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
             PYTHONUNBUFFERED="1",
         )
         if spec.backend:
@@ -225,14 +245,17 @@ class Supervisor:
             # N workers each starting one thread per core would oversubscribe the node N times.
             base["OMP_NUM_THREADS"] = "1"
         self.workers = []
+        if spec.logs is not None:
+            spec.logs.begin(attempt)
         for local_rank in range(spec.nproc_per_node):
             rank = spec.global_rank(local_rank)
             env = dict(base, RANK=str(rank), LOCAL_RANK=str(local_rank), ROLE_RANK=str(rank))
-            log = None
-            if spec.log_dir is not None:
-                log = spec.log_dir / f"attempt_{attempt}" / f"rank_{rank}"
-                log.mkdir(parents=True, exist_ok=True)
-            self.workers.append(Worker(spec, local_rank, env, log, self.console))
+            if spec.virtual_local_rank:
+                env.update(virtual_local_rank(local_rank, os.environ.get("CUDA_VISIBLE_DEVICES")))
+            rank_dir = spec.logs.rank_dir(local_rank) if spec.logs is not None else None
+            if rank_dir is not None:  # where torch's @record writes the worker's traceback
+                env["TORCHELASTIC_ERROR_FILE"] = str(rank_dir / "error.json")
+            self.workers.append(Worker(spec, local_rank, env, spec.logs, self.console))
 
     def _watch(self, attempt: int) -> Failure | None:
         """Until all workers succeed (None), one fails, another node fails, or a signal."""
@@ -281,6 +304,19 @@ class Supervisor:
             w.signal(signum)
         if signum != signal.SIGUSR1:  # USR1 asks the workers to checkpoint: they carry on
             self.stop_signal = signum
+
+
+def virtual_local_rank(local_rank: int, visible: str | None) -> dict[str, str]:
+    """torchrun's ``--virtual-local-rank``: every worker is local rank 0 of its own one GPU.
+
+    Example::
+
+        >>> virtual_local_rank(1, "4,5")
+        {'LOCAL_RANK': '0', 'CUDA_VISIBLE_DEVICES': '5'}
+    """
+    devices = visible.split(",") if visible else [str(local_rank)]
+    device = devices[local_rank] if local_rank < len(devices) else str(local_rank)
+    return {"LOCAL_RANK": "0", "CUDA_VISIBLE_DEVICES": device.strip()}
 
 
 def _say(message: str) -> None:

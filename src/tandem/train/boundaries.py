@@ -12,6 +12,9 @@ loggers at every log step and every evaluation, ``metrics.jsonl`` at every epoch
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from tandem.train.metrics_log import epoch_line, write_metrics
@@ -46,6 +49,26 @@ class Boundaries(TrainerBase):
     progress: Progress
     scheduler_interval: str
     _lr: float | None
+    _segment_start: float  # when the epoch's clock last counted (monotonic)
+
+    def _clock_in(self) -> None:
+        """Add the time since the clock last counted to the epoch's and the log window's.
+
+        They count the epoch's loop, agreements and logging included (the samples/s shown
+        are what the run achieves); evaluation and checkpoints are off the clock.
+        """
+        now = time.monotonic()
+        self.state.epoch_seconds += now - self._segment_start
+        self.log.window.seconds += now - self._segment_start
+        self._segment_start = now
+
+    @contextmanager
+    def _off_the_clock(self) -> Iterator[None]:
+        self._clock_in()
+        try:
+            yield
+        finally:
+            self._segment_start = time.monotonic()
 
     def _step_boundary(self, plan: RunPlan) -> Agreement | None:
         """After an optimizer step inside an epoch; the agreement, if the plan made one."""
@@ -54,17 +77,20 @@ class Boundaries(TrainerBase):
         if plan.agrees_at(run.step):
             agreed = run.requests.agree([*run.epoch_loss, *self.log.window.sums()])
             total, count = agreed.sums[:2]
+            self._clock_in()
             loss = total / count if count else None
             rate = count / run.epoch_seconds if run.epoch_seconds > 0 else None
         evaluated = {}
         if plan.evaluates_at(run.step):
-            evaluated = self.evaluate()
+            with self._off_the_clock():
+                evaluated = self.evaluate()
             if self.world.is_main:
                 self.progress.write(eval_line(run.step, evaluated))
         self._log_step(plan, agreed, evaluated)
         self.progress.advance(1, batch=run.batch, loss=loss, samples_per_s=rate)
         if (agreed is not None and agreed.save) or plan.saves_at(run.step):
-            self._save()
+            with self._off_the_clock():
+                self._save()
         return agreed
 
     def _end_epoch(self, plan: RunPlan) -> Agreement | None:

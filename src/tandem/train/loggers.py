@@ -14,6 +14,8 @@ Only rank 0 logs. A resumed run appends, and never logs a step twice or loses on
 are first cut back to the checkpoint's step (the records after it are written again by the
 resumed run, with the same values), and TensorBoard is told to purge the events after it
 (``SummaryWriter(purge_step=...)``). A fresh run in a used run directory starts the files anew.
+An object of yours gets the records from the checkpoint's step on: steps that an earlier
+session logged after that step come again (with equal values), for its backend to replace.
 
 Example::
 
@@ -29,7 +31,7 @@ import io
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol
 
 from tandem._optional import require
 from tandem.files import write_atomic
@@ -41,7 +43,6 @@ NAMES = ("csv", "jsonl", "tensorboard")
 DEFAULT = ("csv", "jsonl")
 
 
-@runtime_checkable
 class MetricsLogger(Protocol):
     """What the Trainer logs to: ``log_metrics(metrics, step)``, called on rank 0 only.
 

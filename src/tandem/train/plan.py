@@ -41,7 +41,7 @@ def _optional(name: str, value: Any, least: int) -> int | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < least:
-        raise ValueError(f"{name} must be an int >= {least} or None, got {value!r}")
+        raise ValueError(f"{name} must be an int >= {least}, got {value!r} (or None)")
     return value
 
 

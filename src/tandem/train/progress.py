@@ -89,29 +89,30 @@ class Progress:
         self._epoch: tuple[int, int | None, int] = (0, None, 0)  # epoch, max_epochs, batches
         self._batch = 0
         self._bar: Any = None
-        width = terminal_width() if enabled else 0
-        bar_cls = _tqdm() if width != 0 else None
-        if bar_cls is not None:
-            self._bar = bar_cls(
-                total=total_steps,
-                initial=done,
+        self._width = terminal_width() if enabled else 0
+        self._bar_cls = _tqdm() if self._width != 0 else None
+
+    def start_epoch(self, epoch: int, max_epochs: int | None, batches: int, done: int) -> None:
+        """Epoch ``epoch`` (counted from 1) begins, ``done`` of its ``batches`` already run."""
+        self._epoch, self._batch = (epoch, max_epochs, batches), done
+        desc = f"epoch {epoch}" + (f"/{max_epochs}" if max_epochs is not None else "")
+        if self._bar is not None:
+            self._bar.set_description_str(desc, refresh=False)
+        elif self._bar_cls is not None:  # drawn at once: made when its first line is known
+            self._bar = self._bar_cls(
+                total=self.total,
+                initial=self.step,
+                desc=desc,
                 unit="step",
                 # "12/400 steps": what the bar counts, said on it.
                 bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} steps "
                 "[{elapsed}<{remaining}{postfix}]",
                 leave=False,  # the printed lines stay; the bar goes with the run
                 file=sys.stderr,
-                dynamic_ncols=width is None,
-                ncols=width,
+                dynamic_ncols=self._width is None,
+                ncols=self._width,
                 mininterval=0.5,
             )
-
-    def start_epoch(self, epoch: int, max_epochs: int | None, batches: int, done: int) -> None:
-        """Epoch ``epoch`` (counted from 1) begins, ``done`` of its ``batches`` already run."""
-        self._epoch, self._batch = (epoch, max_epochs, batches), done
-        if self._bar is not None:
-            of = f"/{max_epochs}" if max_epochs is not None else ""
-            self._bar.set_description_str(f"epoch {epoch}{of}", refresh=False)
 
     def advance(
         self, steps: int, *, batch: int, loss: float | None, samples_per_s: float | None
@@ -159,4 +160,4 @@ class Progress:
         """Take the bar off the terminal (the run is over)."""
         if self._bar is not None:
             self._bar.close()
-            self._bar = None
+        self._bar = self._bar_cls = None

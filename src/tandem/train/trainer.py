@@ -151,9 +151,13 @@ class Trainer(Boundaries):
         drop_last: the sampler cuts the data set's tail instead of padding the ranks' shares.
         num_workers: DataLoader worker processes per rank; 0 keeps every draw in this process's
             saved generators (with workers, see :mod:`tandem.train.loaders`).
+        collate_fn: makes a batch of a list of samples (both loaders), as a DataLoader's.
         keep_checkpoints: how many checkpoints to keep.
         check_every: agree on stop/save requests every this many optimizer steps (one small
-            all-reduce), at every log step and at every epoch's end.
+            all-reduce), at every log step and at every epoch's end. 1 (the default) acts on
+            SIGTERM/SIGUSR1 at the very next step; the agreement is a sync point that costs
+            about 10% of a 20 ms step on 2 CPU ranks, 10 brings it under 3%
+            (benchmarks/trainer_overhead.py).
         progress: draw rank 0's progress bar (periodic lines off a terminal).
         ddp_kwargs: extra arguments for :class:`tandem.DDP` (``find_unused_parameters``, ...).
         checkpoint_format: ``"full"`` (rank 0 writes one file, gathered, loadable at any world
@@ -215,6 +219,7 @@ class Trainer(Boundaries):
         seed: int = 0,
         drop_last: bool = False,
         num_workers: int = 0,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
         keep_checkpoints: int = 3,
         check_every: int = 1,
         progress: bool = True,
@@ -293,6 +298,7 @@ class Trainer(Boundaries):
             seed=seed,
             drop_last=drop_last,
             num_workers=num_workers,
+            collate_fn=collate_fn,
         )
         self.sampler = self.loaders.sampler  # its len() is this rank's samples per epoch
         self.train_loader, self.eval_loader = self.loaders.train, self.loaders.eval
@@ -357,24 +363,21 @@ class Trainer(Boundaries):
         per_epoch = len(self.train_loader)
         self.progress.start_epoch(run.epoch + 1, plan.max_epochs, per_epoch, run.batch)
         batches = self.loaders.epoch(run.epoch)
+        self._segment_start = time.monotonic()  # the epoch's clock runs (see _clock_in)
         while run.batch < per_epoch:
-            started = time.monotonic()
             group = min(self.grad_accum_steps, per_epoch - run.batch)
             for i in range(group):
                 self._run_batch(next(batches), sync=i == group - 1, weight=1 / group)
             self._optimizer_step()
             run.batch += group
-            # Training time only (not evaluation, agreements, saves): the samples/s shown.
-            seconds = time.monotonic() - started
-            run.epoch_seconds += seconds
-            self.log.window.seconds += seconds
             if run.batch == per_epoch:
                 break  # the epoch's end agrees, evaluates, logs and saves on its own
             agreed = self._step_boundary(plan)
-            if agreed is not None and agreed.stop:
-                return agreed
-            if plan.finished(epoch=run.epoch, step=run.step):
-                return None  # max_steps, in the middle of the epoch: saved at the boundary
+            stop = agreed if agreed is not None and agreed.stop else None
+            if stop is not None or plan.finished(epoch=run.epoch, step=run.step):
+                self._clock_in()  # a stop, or max_steps in the middle of an epoch: saved
+                return stop
+        self._clock_in()
         return self._end_epoch(plan)
 
     def _run_batch(self, batch: Any, *, sync: bool, weight: float) -> None:
