@@ -206,6 +206,10 @@ def test_stopped_after_an_epoch_and_resumed(world_size, uninterrupted, tmp_path)
 
 
 def test_signals_mid_epoch_then_resumed_from_each_checkpoint(world_size, uninterrupted, tmp_path):
+    if world_size == 3:
+        # 2 and 4 ranks cover the signals; 3 ranks' bucket order is covered by the epoch-end
+        # resume above. Skipped to keep the suite within its 15 minutes.
+        pytest.skip("covered by 2 and 4 ranks and by the epoch-end resume at 3")
     stopped = _run(world_size, tmp_path / "run", signals=True)
     # Only the last rank received SIGTERM; the others stopped at the same step because the
     # ranks agreed.
