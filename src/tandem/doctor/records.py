@@ -31,7 +31,6 @@ import functools
 import inspect
 import os
 import sys
-import sysconfig
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -46,6 +45,7 @@ from tandem.doctor import mismatch, steps
 
 # Re-exported: the error and the calls that set and check it are part of the records' API.
 from tandem.doctor.mismatch import CollectiveMismatchError, fail, raise_if_failed  # noqa: F401
+from tandem.doctor.sites import user_line
 
 #: Records kept per process (the oldest are dropped first).
 CAPACITY = 2048
@@ -59,11 +59,6 @@ OPS = (
     "gather_object", "scatter_object_list", "send", "recv", "isend", "irecv",
 )  # fmt: skip
 
-_INTERNAL = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))
-# Python's own library is not the user's line either (threading's waits, queue's gets), but the
-# packages installed under it are.
-_STDLIB = tuple({sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib")})
-_INSTALLED = tuple({sysconfig.get_paths()[k] for k in ("purelib", "platlib")})
 _POINT_TO_POINT = ("send", "recv", "isend", "irecv")
 # Deprecated names that call the newer function (looked up in c10d at call time): recording
 # both would count each collective twice.
@@ -137,7 +132,6 @@ _ring: collections.deque[Record] = collections.deque(maxlen=CAPACITY)
 _seq: dict[Any, int] = {}
 _groups: dict[Any, tuple[str, bool]] = {}  # group key -> (its name, whether it is Gloo's)
 _dtype_names: dict[torch.dtype, str] = {}
-_internal_code: dict[Any, bool] = {}  # code object -> in torch or tandem (asked once per code)
 _lock = threading.Lock()
 _local = _State()
 _originals: dict[str, Callable[..., Any]] = {}
@@ -388,20 +382,3 @@ def _group_name(group: Any) -> str:
 def _user_site() -> str:
     """The innermost frame outside torch, tandem and Python: the user's line that led here."""
     return user_line(sys._getframe(3))
-
-
-def user_line(frame: Any) -> str:
-    """``train.py:44 in step``: the innermost frame from ``frame`` out that is the user's
-    (outside torch, tandem and Python's standard library); ``"?"`` if there is none."""
-    while frame is not None:
-        code = frame.f_code
-        internal = _internal_code.get(code)
-        if internal is None:
-            name = code.co_filename
-            internal = _internal_code[code] = name.startswith(_INTERNAL) or (
-                name.startswith(_STDLIB) and not name.startswith(_INSTALLED)
-            )
-        if not internal:
-            return f"{os.path.basename(code.co_filename)}:{frame.f_lineno} in {code.co_name}"
-        frame = frame.f_back
-    return "?"
