@@ -88,17 +88,12 @@ def _check_keys_and_shapes(
     missing = [k for k in expected if k not in saved]
     unexpected = [k for k in saved if k not in expected]
     if missing or unexpected:
-        differences = [
-            f"keys {names} {where}"
-            for names, where in (
-                (missing, "that the checkpoint lacks"),
-                (unexpected, "that only the checkpoint has"),
-            )
-            if names
-        ]
+        differences = listed(
+            [(missing, "that the checkpoint lacks"), (unexpected, "that only the checkpoint has")],
+            prefix="keys ",
+        )
         raise ValueError(
-            f"{what}: the {label} here has {' and '.join(differences)}: load into the same "
-            "(unwrapped) model"
+            f"{what}: the {label} here has {differences}: load into the same (unwrapped) model"
         )
     wrong = [
         f"{k}: checkpoint {tuple(saved[k].shape)}, here {shape}"
@@ -156,3 +151,15 @@ def _check_groups(what: str, want: list[int], saved: Any) -> None:
 
 def _shape(value: Any) -> tuple[int, ...] | None:
     return tuple(value.shape) if isinstance(value, torch.Tensor) else None
+
+
+def listed(groups: list[tuple[list[str], str]], prefix: str = "") -> str:
+    """``"keys ['a'] that the checkpoint lacks and keys ['b'] that ..."``: the non-empty groups
+    of names, each with what it says, for a message.
+
+    Example::
+
+        >>> listed([(["a"], "that the state lacks"), ([], "that the checkpoint lacks")])
+        "['a'] that the state lacks"
+    """
+    return " and ".join(f"{prefix}{names} {where}" for names, where in groups if names)

@@ -38,6 +38,7 @@ from tandem import _dist
 from tandem._profile import span
 from tandem.parallel.engine import Kind
 from tandem.train.checkpoint import CheckpointError
+from tandem.train.checkpoint_checks import listed
 from tandem.train.checkpoint_files import payload_kind, read_verified
 from tandem.train.checkpoint_objects import Entry, StatefulEntry, ValueEntry, classify
 from tandem.train.collective import gather_objects
@@ -181,16 +182,11 @@ def check(
     only_file = [k for k in objects if k not in keys]
     only_state = [k for k in keys if k not in objects]
     if only_file or only_state:
-        differences = [
-            f"{names} {where}"
-            for names, where in (
-                (only_file, "that the state lacks"),
-                (only_state, "that the checkpoint lacks"),
-            )
-            if names
-        ]
+        differences = listed(
+            [(only_file, "that the state lacks"), (only_state, "that the checkpoint lacks")]
+        )
         raise ValueError(
-            f"checkpoint {path} and the state differ in keys: {' and '.join(differences)}; "
+            f"checkpoint {path} and the state differ in keys: {differences}; "
             f"the checkpoint holds {list(objects)}: pass a state with those keys"
         )
     world_size = _dist.group_size()
