@@ -66,8 +66,9 @@ def _data() -> TensorDataset:
 def _loss(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     assert _trainer is not None
     _seen.append((_trainer.epoch, targets[:, 1].tolist()))
-    if _stop_after is not None and len(_seen) == _stop_after:
-        _trainer.request_stop()  # agreed after this step: every rank saves and stops there
+    if _stop_after is not None and len(_seen) == _stop_after - 1:
+        # Sent at this step's end, read at the next one's: every rank saves and stops there.
+        _trainer.request_stop()
     return F.cross_entropy(outputs, targets[:, 0])
 
 

@@ -4,8 +4,9 @@ Proves:
 
 - one process (no process group): the model stays a plain module; ``metrics.jsonl`` holds one
   record per epoch equal to the returned history, ``metrics.png`` is a PNG, checkpoints follow
-  ``save_every`` plus the last epoch; ``request_stop()`` saves and stops at the next step, and
-  the resumed run ends bitwise equal to the uninterrupted one;
+  ``save_every`` plus the last epoch; ``request_stop()`` during step 5 saves and stops after
+  step 6 (the agreement is read one step after it is sent; step 6 is no log step), and the
+  resumed run ends bitwise equal to the uninterrupted one;
 - two ranks: the model is wrapped in tandem.DDP; with ``lr=0`` (a fixed model) the reported
   train loss equals the mean loss over the whole training set computed here in float64 (the
   loss averaged over ranks, not rank 0's); the eval loss and accuracy on 11 samples (shards of
@@ -88,8 +89,8 @@ def test_one_process_plain_model_files_and_exact_stop_resume(tmp_path):
     assert summary.checkpoint == list_checkpoints(tmp_path / "full")[-1]
 
     stopped = _trainer(tmp_path / "stopped", cls=_StopsAfter).train()
-    assert (stopped.epochs, stopped.steps, stopped.stopped_by) == (0, 5, "request_stop()")
-    assert stopped.checkpoint is not None and stopped.checkpoint.name == "ckpt-e0000-s00000005.pt"
+    assert (stopped.epochs, stopped.steps, stopped.stopped_by) == (0, 6, "request_stop()")
+    assert stopped.checkpoint is not None and stopped.checkpoint.name == "ckpt-e0000-s00000006.pt"
     model = _model()
     resumed = _trainer(tmp_path / "stopped", model=model, resume="latest").train()
     assert resumed.history == [

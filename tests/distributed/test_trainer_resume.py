@@ -17,8 +17,8 @@ train loss, eval loss and accuracy, on every rank, that the uninterrupted 3-epoc
     holds the rebuilt bucket layout);
 (b) a run in which rank 0 receives a real SIGUSR1 in epoch 1 and the last rank a real SIGTERM in
     the middle of epoch 2, each in the middle of a gradient accumulation: every rank saves at the
-    end of that optimizer step (the all-reduced request reaches the ranks that never got
-    SIGTERM), training goes on after SIGUSR1 and stops after SIGTERM with
+    end of the next optimizer step (the request, all-reduced in the background, reaches the
+    ranks that never got SIGTERM), training goes on after SIGUSR1 and stops after SIGTERM with
     ``stopped_by="SIGTERM"`` on every rank; resumed from ``latest`` (mid-epoch 2), from the
     SIGUSR1 checkpoint by its path (mid-epoch 1), and from the end of epoch 1 after the newest
     checkpoint was truncated.
@@ -214,17 +214,19 @@ def test_signals_mid_epoch_then_resumed_from_each_checkpoint(world_size, uninter
     # Only the last rank received SIGTERM; the others stopped at the same step because the
     # ranks agreed.
     assert [r["stopped_by"] for r in stopped] == ["SIGTERM"] * world_size
-    assert [(r["epochs"], r["steps"]) for r in stopped] == [(1, 6)] * world_size
+    assert [(r["epochs"], r["steps"]) for r in stopped] == [(1, 7)] * world_size
     names = [p.name for p in list_checkpoints(tmp_path / "run")]
-    # SIGUSR1 after micro-batch 3: saved at the end of step 2 (batch 4 of epoch 1); epoch 1's
-    # end (step 4); SIGTERM after micro-batch 10: saved at step 6 (batch 4 of epoch 2).
+    # A request made during step k is sent at its end and acted on after step k + 1.
+    # SIGUSR1 after micro-batch 3 (step 2): saved at the end of step 3 (batch 6 of epoch 1);
+    # epoch 1's end (step 4); SIGTERM after micro-batch 10 (step 6): saved at step 7 (batch 6
+    # of epoch 2).
     assert names == [
-        "ckpt-e0000-s00000002.pt",
+        "ckpt-e0000-s00000003.pt",
         "ckpt-e0001-s00000004.pt",
-        "ckpt-e0001-s00000006.pt",
+        "ckpt-e0001-s00000007.pt",
     ]
     usr1, epoch_end, term = list_checkpoints(tmp_path / "run")
-    for path, batch in ((usr1, 4), (epoch_end, 0), (term, 4)):
+    for path, batch in ((usr1, 6), (epoch_end, 0), (term, 6)):
         assert load_checkpoint(path)["state"]["trainer"]["batch"] == batch, path
     for copy in ("usr1", "truncated"):
         shutil.copytree(tmp_path / "run", tmp_path / copy)

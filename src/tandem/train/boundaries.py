@@ -71,15 +71,33 @@ class Boundaries(TrainerBase):
             self._segment_start = time.monotonic()
 
     def _step_boundary(self, plan: RunPlan) -> Agreement | None:
-        """After an optimizer step inside an epoch; the agreement, if the plan made one."""
+        """After an optimizer step inside an epoch; the agreement acted on here, if any.
+
+        The agreement sent at the previous boundary is read here and acted on (a stop or a
+        save); a log step also agrees at once, as its record needs this step's sums; the other
+        steps the plan checks at send theirs in the background, to be read at the next one.
+        """
         run = self.state
-        agreed, loss, rate = None, None, None
-        if plan.agrees_at(run.step):
-            agreed = run.requests.agree([*run.epoch_loss, *self.log.window.sums()])
-            total, count = agreed.sums[:2]
+        agreed = run.requests.collect()
+        loss, rate = None, None
+        if agreed is not None:  # the loss as it stood at the previous step: for the bar
+            total, count, seconds = agreed.sums[:3]
+            loss = total / count if count else None
+            rate = count / seconds if seconds > 0 else None
+        if plan.logs_at(run.step):
+            now = run.requests.agree([*run.epoch_loss, *self.log.window.sums()])
+            agreed = now if agreed is None else agreed.then(now)
             self._clock_in()
+            total, count = now.sums[:2]
             loss = total / count if count else None
             rate = count / run.epoch_seconds if run.epoch_seconds > 0 else None
+        elif (
+            plan.agrees_at(run.step)
+            and not (agreed is not None and agreed.stop)
+            and not plan.finished(epoch=run.epoch, step=run.step)
+        ):
+            self._clock_in()
+            run.requests.send([*run.epoch_loss, run.epoch_seconds])
         evaluated = {}
         if plan.evaluates_at(run.step):
             with self._off_the_clock():
@@ -97,8 +115,10 @@ class Boundaries(TrainerBase):
         """The epoch's last step boundary: its record and evaluation, the step's log, the save;
         the agreement if it stops the run, else None."""
         run = self.state
+        sent = run.requests.collect()
         agreed = run.requests.agree([*run.epoch_loss, *self.log.window.sums()])
         total, count = agreed.sums[:2]
+        agreed = agreed if sent is None else sent.then(agreed)
         record: dict[str, Any] = {"epoch": run.epoch + 1, "step": run.step}
         record["train_loss"] = total / count
         evaluated = self.evaluate() if self.eval_loader is not None else {}

@@ -7,13 +7,14 @@ failed write on rank 0) become an error or an action on all of them instead of a
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from tandem import _dist
+from tandem.doctor import records
 
 
 def world_size() -> int:
@@ -28,6 +29,28 @@ def sum_over_ranks(values: Sequence[float]) -> list[float]:
     tensor = torch.tensor(list(values), dtype=torch.float64, device=_dist.backend_device())
     dist.all_reduce(tensor)
     return tensor.tolist()
+
+
+def start_sum_over_ranks(values: Sequence[float]) -> Callable[[], list[float]]:
+    """:func:`sum_over_ranks` issued now, in the background; call the result for the sums.
+
+    Example::
+
+        >>> start_sum_over_ranks([1.0, 2.0])()   # one process: the values themselves
+        [1.0, 2.0]
+    """
+    if world_size() == 1:
+        sums = [float(v) for v in values]
+        return lambda: sums
+    tensor = torch.tensor(list(values), dtype=torch.float64, device=_dist.backend_device())
+    with records.tagged("Trainer step agreement"):
+        work = dist.all_reduce(tensor, async_op=True)
+
+    def result() -> list[float]:
+        records.wait(work)  # on Gloo, a mismatch the doctor finds is raised here
+        return tensor.tolist()
+
+    return result
 
 
 def gather_objects(obj: Any) -> list[Any]:

@@ -4,8 +4,12 @@ A signal reaches the ranks at different moments (SLURM signals one process per n
 may ``kill`` one rank, the launcher forwards in turn), so a rank that acted on its own signal
 at once would save a different step than the others or wait alone in a collective. Instead a
 request only sets a local flag; at step boundaries every rank sends its flags through one tiny
-all-reduce (:meth:`Requests.agree`), and every rank then sees the same sums and takes the same
-action at the same step.
+all-reduce, and every rank then sees the same sums and takes the same action at the same step.
+
+The all-reduce is either waited for at once (:meth:`Requests.agree`: the log steps and the
+epoch's end, which need the sums now) or sent in the background (:meth:`Requests.send`) and read
+at the next step boundary (:meth:`Requests.collect`), so that no step waits on it: a request
+made during step k is then acted on at step k + 1's boundary, by every rank alike.
 
 - SIGTERM (a scheduler's preemption, ``tandem run`` stopping): save, then stop cleanly.
 - SIGUSR1 (``tandem run`` forwards it; SLURM's ``--signal``): save and carry on.
@@ -16,12 +20,12 @@ from __future__ import annotations
 import signal
 import threading
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import FrameType
 
-from tandem.train.collective import sum_over_ranks
+from tandem.train.collective import start_sum_over_ranks
 
 STOP_SIGNAL = signal.SIGTERM
 CHECKPOINT_SIGNAL = signal.SIGUSR1
@@ -36,6 +40,19 @@ class Agreement:
     reason: str | None  # "SIGTERM" if a signal asked to stop, else "request_stop()"
     sums: list[float]  # the caller's extra numbers, summed over ranks
 
+    def then(self, later: Agreement) -> Agreement:
+        """Both decisions at once (a stop or save in either), with ``later``'s sums.
+
+        Example::
+
+            >>> early = Agreement(save=True, stop=False, reason=None, sums=[1.0])
+            >>> early.then(Agreement(save=False, stop=False, reason=None, sums=[2.0]))
+            Agreement(save=True, stop=False, reason=None, sums=[2.0])
+        """
+        stop = self.stop or later.stop
+        reason = (self.reason or later.reason) if stop else None
+        return replace(later, save=self.save or later.save, stop=stop, reason=reason)
+
 
 class Requests:
     """This rank's pending requests, and the all-reduce that turns them into a joint decision."""
@@ -46,6 +63,7 @@ class Requests:
         self._checkpoints = 0
         self._stops_by_call = 0
         self._stops_by_signal = 0
+        self._pending: Callable[[], Agreement] | None = None
 
     def checkpoint(self) -> None:
         """Ask for a checkpoint at the next agreement; training continues."""
@@ -90,12 +108,38 @@ class Requests:
         Args:
             extra: numbers to sum over ranks in the same collective (the running loss).
         """
+        return self._start(extra)()
+
+    def send(self, extra: Sequence[float] = ()) -> None:
+        """Start :meth:`agree`'s all-reduce without waiting; :meth:`collect` reads it.
+
+        Every rank calls it at the same step boundary; nothing is pending when it is called.
+        """
+        assert self._pending is None, "collect() the agreement sent before sending another"
+        self._pending = self._start(extra)
+
+    def collect(self) -> Agreement | None:
+        """The agreement :meth:`send` started (waiting for it if it is still in flight), or
+        None if none was sent since the last collect."""
+        pending, self._pending = self._pending, None
+        return pending() if pending is not None else None
+
+    def discard(self) -> None:
+        """Forget a sent agreement (a run that ended with an error): its requests are lost."""
+        self._pending = None
+
+    def _start(self, extra: Sequence[float]) -> Callable[[], Agreement]:
         sent = (self._checkpoints, self._stops_by_call, self._stops_by_signal)
-        checkpoints, by_call, by_signal, *sums = sum_over_ranks([*sent, *extra])
-        # Sent requests are now known to every rank and will be acted on: take them off.
+        result = start_sum_over_ranks([*sent, *extra])
+        # Sent requests are now on their way to every rank and will be acted on: take them off.
         self._checkpoints -= sent[0]
         self._stops_by_call -= sent[1]
         self._stops_by_signal -= sent[2]
-        stop = by_call + by_signal > 0
-        reason = None if not stop else (STOP_SIGNAL.name if by_signal else "request_stop()")
-        return Agreement(save=stop or checkpoints > 0, stop=stop, reason=reason, sums=sums)
+
+        def agreement() -> Agreement:
+            checkpoints, by_call, by_signal, *sums = result()
+            stop = by_call + by_signal > 0
+            reason = None if not stop else (STOP_SIGNAL.name if by_signal else "request_stop()")
+            return Agreement(save=stop or checkpoints > 0, stop=stop, reason=reason, sums=sums)
+
+        return agreement

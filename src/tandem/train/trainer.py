@@ -154,10 +154,10 @@ class Trainer(Boundaries):
         collate_fn: makes a batch of a list of samples (both loaders), as a DataLoader's.
         keep_checkpoints: how many checkpoints to keep.
         check_every: agree on stop/save requests every this many optimizer steps (one small
-            all-reduce), at every log step and at every epoch's end. 1 (the default) acts on
-            SIGTERM/SIGUSR1 at the very next step; the agreement is a sync point that costs
-            about 10% of a 20 ms step on 2 CPU ranks, 10 brings it under 3%
-            (benchmarks/trainer_overhead.py).
+            all-reduce), besides every log step and every epoch's end. Between log steps it
+            runs in the background, overlapped with the next step, and is read at the next
+            step boundary: with 1 (the default) a SIGTERM/SIGUSR1 or request during step k is
+            acted on after step k + 1 (after step k at a log step), on every rank alike.
         progress: draw rank 0's progress bar (periodic lines off a terminal).
         ddp_kwargs: extra arguments for :class:`tandem.DDP` (``find_unused_parameters``, ...).
         checkpoint_format: ``"full"`` (rank 0 writes one file, gathered, loadable at any world
@@ -339,6 +339,7 @@ class Trainer(Boundaries):
         run.restore_rng()  # here, not at load time: nothing between load and this may draw
         self.optimizer.zero_grad()
         run.start_session()
+        run.requests.discard()  # one an earlier train() sent before it raised
         stopped: Agreement | None = None
         with run.requests.signals():
             while not plan.finished(epoch=run.epoch, step=run.step) and stopped is None:
