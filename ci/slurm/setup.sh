@@ -106,9 +106,9 @@ ClusterName=tandem-ci
 SlurmctldHost=$host
 AuthType=auth/munge
 CredType=cred/munge
-# A requeued job may start again only after the credential lifetime, 120 s by default; 10 s
+# A requeued job may start again only after the credential lifetime, 120 s by default; 5 s
 # keeps the requeue test quick, and is plenty for a step to launch on this one host.
-AuthInfo=cred_expire=10
+AuthInfo=cred_expire=5
 SlurmUser=root
 SlurmdUser=root
 SlurmctldPort=6817

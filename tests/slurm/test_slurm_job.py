@@ -258,15 +258,15 @@ def test_printed_script_runs_tandem_run_per_node_and_requeues(tmp_path):
             time="00:05:00",
             job_name="tandem-test-requeue",
             script_args=script_args,
-            # The requeue follows half the lead after the signal: 5 s, not 45.
-            signal="USR1@10",
+            # The requeue follows half the lead after the signal: 2 s, not 45.
+            signal="USR1@4",
         )
     )
     env = _job_environment(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
 
     job = Job(script, tmp_path / "out.txt", env)
     job.wait_for(lambda: "TANDEM\t0\t" in job.log(), "the first attempt to start")
-    # What Slurm does 10 s before the limit (--signal=B:USR1@10), without waiting for it.
+    # What Slurm does 4 s before the limit (--signal=B:USR1@4), without waiting for it.
     subprocess.run(["scancel", "--batch", "--signal=USR1", str(job.id)], check=True)
     log = job.finish(REQUEUE_TIMEOUT_S)
 
@@ -326,7 +326,7 @@ def test_requeued_trainer_job_resumes_from_its_checkpoint(tmp_path):
 def test_signal_before_the_limit_checkpoints_the_workers_then_requeues(tmp_path):
     bin_dir = _bin_with_tandem(tmp_path, "from tandem.cli import main\nsys.exit(main())\n")
     run_dir = tmp_path / "run"
-    epochs = 12
+    epochs = 8  # about a second each: training goes on for the 2 s before the requeue
     script = tmp_path / "job.sh"
     script.write_text(
         build_sbatch_script(
@@ -336,8 +336,8 @@ def test_signal_before_the_limit_checkpoints_the_workers_then_requeues(tmp_path)
             cpus_per_task=2,
             time="00:05:00",
             job_name="tandem-test-signal",
-            # The requeue follows half the lead after the signal: 5 s.
-            signal="USR1@10",
+            # The requeue follows half the lead after the signal: 2 s.
+            signal="USR1@4",
             # No checkpoints but those the signals ask for.
             script_args=[
                 str(REPO / "tests" / "slurm" / "trainer_job.py"),
@@ -351,7 +351,7 @@ def test_signal_before_the_limit_checkpoints_the_workers_then_requeues(tmp_path)
 
     job = Job(script, tmp_path / "out.txt", env)
     job.wait_for(lambda: "epoch   1 " in job.log(), "the first epoch")
-    # What Slurm does 10 s before the limit (--signal=B:USR1@10), without waiting for it.
+    # What Slurm does 4 s before the limit (--signal=B:USR1@4), without waiting for it.
     subprocess.run(["scancel", "--batch", "--signal=USR1", str(job.id)], check=True)
     log = job.finish(REQUEUE_TIMEOUT_S)
 

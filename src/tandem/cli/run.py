@@ -105,9 +105,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="after SIGTERM/SIGINT to tandem run: seconds the workers get to finish (a "
         "Trainer saves a checkpoint) before SIGKILL",
     )
+    flag(
+        own,
+        "--hostfile",
+        default=None,
+        type=Path,
+        help="start one tandem run per host of this file (`hostname slots=N` lines) over ssh "
+        "(TANDEM_SSH: the ssh command; see README)",
+    )
     p.add_argument("script", help="the training script (or module, with -m)")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's arguments")
-    p.set_defaults(func=run_command)
+    p.set_defaults(func=run_command, run_actions=p._actions)  # --hostfile passes them on
 
 
 def _positive_int(name: str, value: str | int, minimum: int = 1) -> int:
@@ -304,6 +312,10 @@ def _signals(text: str) -> tuple[int, ...]:
 
 def run_command(args: argparse.Namespace) -> int:
     """``tandem run``: returns the exit status (0, or the first failure's)."""
+    if args.hostfile is not None:  # one `tandem run` per host, over ssh
+        from tandem.launch.hostfile import run_hostfile
+
+        return run_hostfile(args, args.run_actions)
     term = args.term_timeout if args.shutdown_timeout is None else args.shutdown_timeout
     if term < 0:
         raise ValueError(f"--term-timeout must be >= 0 seconds, got {term}")
