@@ -187,7 +187,12 @@ def init(
                 placement.world_size,
                 timeout=meeting_s,
                 agent_store=os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
-                restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0),
+                # The launcher's rendezvous round where it gives one: every node agrees on it.
+                restart=int(
+                    os.environ.get("TANDEM_RDZV_ROUND")
+                    or os.environ.get("TORCHELASTIC_RESTART_COUNT")
+                    or 0
+                ),
                 store_timeout=delta,
             )
         dist.init_process_group(

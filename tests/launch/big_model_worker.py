@@ -50,11 +50,12 @@ def main() -> None:
         calls += 1
         if calls == 2 and world.is_main:
             print("TRAINING step 1 done", flush=True)
-        # A request is acted on at the end of the step in progress, number trainer.step + 1.
-        in_progress = trainer.step + 1
-        if resumed_at is not None and in_progress >= resumed_at + args.steps_after_resume:
+        # A request made during step k (trainer.step + 1) is sent at its end and acted on at
+        # the end of step k + 1: the step it is for.
+        acted_at = trainer.step + 2
+        if resumed_at is not None and acted_at >= resumed_at + args.steps_after_resume:
             trainer.request_stop()
-        if in_progress == args.checkpoint_at_step and world.is_main:
+        if acted_at == args.checkpoint_at_step and world.is_main:
             trainer.request_checkpoint()
         if trainer.step == args.fail_at_step and world.rank == 1:
             raise RuntimeError(f"rank 1 fails after step {trainer.step}")

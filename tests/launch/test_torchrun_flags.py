@@ -10,7 +10,9 @@
   lines and shows only the chosen ranks; workers get exactly torchrun's environment for
   ``--role`` and ``--rdzv-id`` (compared with a real torchrun).
 - The DDP tutorial's multi-node command (``--rdzv-backend=c10d --rdzv-endpoint=HOST:PORT``, no
-  ``--node-rank``) runs two nodes on loopback, numbered by arrival.
+  ``--node-rank``) runs two nodes on loopback, numbered by arrival; a third node, arriving when
+  MAX nodes run, is refused with an error naming the maximum (elastic admission below MAX:
+  test_elastic.py).
 - Bad input (an etcd backend, ``--nnodes 3:2``) is one clear line and status 2; ``tandem
   --version`` prints the package's version and every verb's ``--help`` shows defaults and
   torchrun's groups.
@@ -37,7 +39,7 @@ from torch.distributed.elastic.rendezvous.utils import (
 
 import tandem
 from tandem.cli import build_parser
-from tandem.launch.logfiles import LogPlan
+from tandem.launch.logfiles import LogPlan, parse_filters
 from tandem.launch.rendezvous import LaunchError
 from tandem.launch.torchrun_flags import (
     STD_ERR,
@@ -314,7 +316,8 @@ def test_nnodes_min_max_on_one_node_starts_with_min():
     assert "--nnodes 1:2: the job starts with 1 node(s)" in result.stderr
 
 
-def test_c10d_node_beyond_min_is_refused_clearly(tmp_path):
+def test_c10d_node_beyond_max_is_refused_clearly(tmp_path):
+    """Two nodes of 1:2 run (a node below MAX would wait and be admitted: test_elastic.py)."""
     script = tmp_path / "wait.py"
     script.write_text(
         "import os, pathlib, time\n"
@@ -322,7 +325,7 @@ def test_c10d_node_beyond_min_is_refused_clearly(tmp_path):
         "time.sleep(6)\n"
     )
     port = free_port()
-    flags = ["--nnodes=2:3", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}"]
+    flags = ["--nnodes=1:2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}"]
     env = {**os.environ, "OUT": str(tmp_path)}
     first = [subprocess.Popen([*TANDEM, "run", *flags, str(script)], stderr=subprocess.PIPE,
                               text=True, env=env) for _ in range(2)]  # fmt: skip
@@ -332,5 +335,57 @@ def test_c10d_node_beyond_min_is_refused_clearly(tmp_path):
         time.sleep(0.1)
     late = tandem_run(*flags, str(script), timeout=30, env={"OUT": str(tmp_path)})
     assert late.returncode == 2, late.stderr
-    assert "arrived as node 2" in late.stderr and "the job has --nnodes 2" in late.stderr
+    assert "already runs on 2 nodes, its --nnodes maximum 2" in late.stderr, late.stderr
+    assert "raise MAX in --nnodes MIN:MAX" in late.stderr
     assert [p.wait(timeout=60) for p in first] == [0, 0], [p.stderr.read() for p in first]
+
+
+@pytest.mark.parametrize("text", ["loss", "loss,NaN", "a,,b,c", ",,", "x,,,,y"])
+def test_duplicate_filters_parse_as_torchs(text):
+    theirs = torchrun.get_args_parser().parse_args(["--duplicate-stdout-filters", text, "train.py"])
+    assert parse_filters(text) == theirs.duplicate_stdout_filters
+
+
+def test_filtered_logs_are_where_torch_puts_them(tmp_path):
+    specs = DefaultLogsSpecs(log_dir=str(tmp_path / "torch"))
+    envs = {r: {"TORCHELASTIC_RUN_ID": "456", "TORCHELASTIC_RESTART_COUNT": "0"} for r in range(2)}
+    dest = specs.reify(envs)
+    plan = LogPlan(tmp_path / "ours", "456", duplicate_filters={"stdout": ["a"], "stderr": ["b"]})
+    plan.begin(attempt=0)
+    for name, theirs in (("stdout", dest.filtered_stdout), ("stderr", dest.filtered_stderr)):
+        ours = plan.filtered[name].path.relative_to(tmp_path / "ours")
+        assert ours.parts[1:] == Path(theirs).relative_to(tmp_path / "torch").parts[1:]
+    plan.close()
+
+
+PRINTS = """
+import os, sys
+rank = os.environ["RANK"]
+print(f"step 1 loss 0.{rank}", flush=True)
+print(f"lr 0.1 on {rank}", flush=True)
+print(f"a,b from {rank}", flush=True)
+print(f"warning: slow rank {rank}", file=sys.stderr, flush=True)
+print(f"note {rank}", file=sys.stderr, flush=True)
+"""
+
+
+def test_duplicate_filters_copy_the_matching_console_lines(tmp_path):
+    script = tmp_path / "prints.py"
+    script.write_text(PRINTS)
+    result = tandem_run(
+        "--nproc-per-node=2",
+        f"--log-dir={tmp_path / 'logs'}",
+        "--duplicate-stdout-filters=loss,a,,b",  # "loss" or "a,b"
+        "--duplicate_stderr_filters", "warning",
+        "--local-ranks-filter=0",  # rank 1 is off the console: nor copied
+        str(script),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "not applied" not in result.stderr
+    (run_dir,) = (tmp_path / "logs").iterdir()
+    stdout = (run_dir / "attempt_0" / "filtered_stdout.log").read_text().splitlines()
+    stderr = (run_dir / "attempt_0" / "filtered_stderr.log").read_text().splitlines()
+    assert sorted(stdout) == ["[rank 0] a,b from 0", "[rank 0] step 1 loss 0.0"]
+    assert stderr == ["[rank 0] warning: slow rank 0"]
+    # The console shows the same lines (the copy is of what it shows).
+    assert all(line in result.stdout for line in stdout), result.stdout

@@ -37,12 +37,16 @@ from tandem.launch.hostlist import expand_hostlist
 from tandem.launch.slurm import build_sbatch_script
 from tests.slurm import train_job, trainer_job
 
+# One job at a time: the one-node cluster has 2 CPUs, and a job that waits for another's to end
+# would spend its timeout queued.
+pytestmark = pytest.mark.xdist_group("slurm")
+
 REPO = Path(__file__).resolve().parents[2]
 JOB_TIMEOUT_S = 180
 # How often a job's state is read. Not `sbatch --wait`: its polls back off to 30 s apart, which
 # turns a 4 s job into a 10 s test.
 POLL_S = 0.25
-# A requeued job waits out the credential lifetime before it starts again: 10 s on the CI
+# A requeued job waits out the credential lifetime before it starts again: 5 s on the CI
 # cluster, 120 s by Slurm's default.
 REQUEUE_TIMEOUT_S = 240
 # The states of a job that will not run again (a requeued one passes through PENDING).

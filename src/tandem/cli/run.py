@@ -23,7 +23,8 @@ from pathlib import Path
 
 from tandem.doctor import trace
 from tandem.launch.command import worker_command
-from tandem.launch.logfiles import LogPlan
+from tandem.launch.logfiles import LogPlan, parse_filters
+from tandem.launch.membership import ElasticCoordinator, ElasticSettings, JobEnded
 from tandem.launch.rendezvous import (
     Coordinator,
     LaunchError,
@@ -88,7 +89,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--rdzv-timeout",
         default=300.0,
         type=float,
-        help="seconds to wait for all nodes (--rdzv-conf join_timeout= overrides)",
+        help="static rendezvous: seconds to wait for all nodes (--rdzv-conf join_timeout= "
+        "overrides; c10d waits join_timeout, torchrun's 600)",
     )
     flag(
         own,
@@ -165,9 +167,10 @@ class Meeting:
     backend: str  # "local" (one node), "static" or "c10d"
     addr: str
     port: int | None
-    node_rank: int | None  # None: c10d numbers the nodes by arrival
+    node_rank: int | None  # None: c10d numbers the nodes anew in every round
     timeout: float
     is_host: bool | None = None
+    elastic: ElasticSettings | None = None  # c10d: node counts MIN:MAX, rounds per attempt
 
 
 def _placement(args: argparse.Namespace) -> tuple[int, Meeting]:
@@ -183,12 +186,14 @@ def _placement(args: argparse.Namespace) -> tuple[int, Meeting]:
     timeout = _seconds(conf.get("join_timeout", args.rdzv_timeout), "join_timeout")
     is_host = _flag_value(conf["is_host"]) if "is_host" in conf else None
     node_rank, addr, port = args.node_rank, args.master_addr, args.master_port
+    most = None
     if args.nnodes is not None:
         nnodes, most = parse_nnodes(args.nnodes)
-        if most > nnodes:
+        if most > nnodes and (backend != "c10d" or args.standalone):
             _say(
                 f"--nnodes {args.nnodes}: the job starts with {nnodes} node(s), the first to "
-                "arrive; elastic membership (up to MAX) is not built yet, later nodes are refused"
+                "arrive; elastic membership (up to MAX) needs --rdzv-backend c10d "
+                "--rdzv-endpoint HOST:PORT"
             )
     elif node_rank is None and "SLURM_JOB_ID" in os.environ:
         from tandem.launch.slurm_node import node_placement_from_slurm
@@ -212,20 +217,42 @@ def _placement(args: argparse.Namespace) -> tuple[int, Meeting]:
         raise LaunchError(f"--node-rank {node_rank} must be < --nnodes {nnodes}")
     if port is not None and not 1 <= port <= 65535:
         raise LaunchError(f"--master-port {port} is outside 1..65535")
+    if backend == "c10d" and most is not None and most > 1:
+        if not args.rdzv_endpoint:
+            raise LaunchError(
+                f"--rdzv-backend c10d with --nnodes {args.nnodes} needs --rdzv-endpoint"
+            )
+        host, c10d_port = parse_endpoint(args.rdzv_endpoint, C10D_DEFAULT_PORT)
+        elastic = _elastic(conf, nnodes, most, is_host)
+        meeting = Meeting("c10d", host, c10d_port, None, elastic.join_timeout, is_host, elastic)
+        return nnodes, meeting
     if nnodes == 1:
         # One node: rendezvous on loopback, where no other host can reach or disturb it.
         local_port = port if backend == "static" else None
         return 1, Meeting("local", addr or "127.0.0.1", local_port, 0, timeout)
-    if backend == "c10d":
-        if not args.rdzv_endpoint:
-            raise LaunchError(f"--rdzv-backend c10d with --nnodes {nnodes} needs --rdzv-endpoint")
-        host, c10d_port = parse_endpoint(args.rdzv_endpoint, C10D_DEFAULT_PORT)
-        return nnodes, Meeting("c10d", host, c10d_port, node_rank, timeout, is_host)
     if args.rdzv_endpoint:  # torchrun's static rendezvous takes the endpoint as node 0's
         addr, port = parse_endpoint(args.rdzv_endpoint, port or DEFAULT_MULTINODE_PORT)
     if addr is None:
         raise LaunchError(f"--nnodes {nnodes} needs --master-addr: node 0's address")
     return nnodes, Meeting("static", addr, port or DEFAULT_MULTINODE_PORT, node_rank or 0, timeout)
+
+
+def _elastic(conf: dict[str, str], least: int, most: int, is_host: bool | None) -> ElasticSettings:
+    """The c10d rendezvous' settings: ``--nnodes MIN:MAX`` and torch's ``--rdzv-conf`` keys."""
+    attempts = conf.get("keep_alive_max_attempt", "5")
+    if not attempts.isdigit() or int(attempts) < 1:
+        raise LaunchError(
+            f"--rdzv-conf keep_alive_max_attempt={attempts!r} must be a whole number >= 1"
+        )
+    return ElasticSettings(
+        least,
+        most,
+        join_timeout=_seconds(conf.get("join_timeout", 600), "join_timeout"),
+        last_call=_seconds(conf.get("last_call_timeout", 30), "last_call_timeout"),
+        keep_alive_interval=_seconds(conf.get("keep_alive_interval", 1), "keep_alive_interval"),
+        keep_alive_max_attempt=int(attempts),
+        is_host=is_host,
+    )
 
 
 def _seconds(value: object, name: str) -> float:
@@ -257,9 +284,8 @@ def build_spec(args: argparse.Namespace) -> tuple[LaunchSpec, Meeting]:
     nnodes, meeting = _placement(args)
     if args.max_restarts < 0:
         raise LaunchError(f"--max-restarts {args.max_restarts} must be >= 0")
-    for name in ("numa_binding", "duplicate_stdout_filters", "duplicate_stderr_filters"):
-        if getattr(args, name):
-            _say(f"warning: --{name.replace('_', '-')} is accepted but not applied by tandem run")
+    if args.numa_binding:
+        _say("warning: --numa-binding is accepted but not applied by tandem run")
     if args.logs_specs is not None:
         _say(f"warning: --logs-specs {args.logs_specs!r} is ignored: tandem's own log layout")
     command = worker_command(
@@ -277,6 +303,10 @@ def build_spec(args: argparse.Namespace) -> tuple[LaunchSpec, Meeting]:
         run_id,
         parse_std(args.redirects, nproc, "redirects"),
         parse_std(args.tee, nproc, "tee"),
+        {
+            "stdout": parse_filters(args.duplicate_stdout_filters),
+            "stderr": parse_filters(args.duplicate_stderr_filters),
+        },
     )
     if logs.run_dir is not None:
         _say(f"each worker's output goes to {logs.run_dir}/attempt_<n>/<local rank>/")
@@ -333,20 +363,31 @@ def run_command(args: argparse.Namespace) -> int:
     coordinator: Coordinator
     if meeting.backend == "local":
         coordinator = LocalCoordinator(meeting.addr, meeting.port)
+    elif meeting.elastic is not None:
+        elastic = ElasticCoordinator(
+            meeting.elastic,
+            meeting.addr,
+            meeting.port or C10D_DEFAULT_PORT,
+            job=args.rdzv_id,  # as given: the same on every node (run_id may be random)
+        )
+        # Each round numbers the nodes anew, but the store's host is always node 0: the one
+        # whose console shows rank 0.
+        spec = dataclasses.replace(spec, node_rank=0 if elastic.serving else 1)
+        coordinator = elastic
     else:
-        store = StoreCoordinator(
+        assert meeting.node_rank is not None  # static: given, or 0
+        coordinator = StoreCoordinator(
             spec.nnodes,
             meeting.node_rank,
             meeting.addr,
             meeting.port or DEFAULT_MULTINODE_PORT,
             meeting.timeout,
-            is_host=meeting.is_host,
-            job=args.rdzv_id,  # as given: the same on every node (run_id may be random)
         )
-        # c10d numbers nodes as they arrive: only now is this node's rank known.
-        spec = dataclasses.replace(spec, node_rank=store.node_rank)
-        coordinator = store
-    code = Supervisor(spec, coordinator).run()
+    try:
+        code = Supervisor(spec, coordinator).run()
+    except JobEnded as ended:  # a node that waited to join a job that then finished
+        _say(str(ended))
+        return 0
     if args.trace is not None:
         _merge_trace(args.trace, spec)
     return code

@@ -99,9 +99,12 @@ def wait_in_slices(work: Any) -> None:
             return
         except RuntimeError:
             raise_if_failed()  # a peer that raised it may have left: this is why the work failed
-            # Gloo's own timeout says "timed out" too: only completion tells the two apart.
+            # Gloo's own timeout says "timed out" too: only completion tells the two apart. A
+            # work that completed after the slice ran out but before this look may have
+            # succeeded: waiting on it again returns, or raises its own error.
             if work.is_completed():
-                raise
+                work.wait()
+                return
         raise_if_failed()
 
 

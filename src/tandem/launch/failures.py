@@ -44,9 +44,14 @@ class Failure:
     host: str
     returncode: int
     tail: tuple[str, ...]
+    #: Set where no worker of ours failed but a whole node was lost (its launcher stopped
+    #: beating): what the summary says instead of a worker's exit.
+    cause: str = ""
 
     def summary(self) -> str:
         """A few lines: who failed, how, and the end of what it wrote to stderr."""
+        if self.cause:
+            return f"tandem run: {self.cause}"
         lines = [
             f"tandem run: rank {self.rank} (local rank {self.local_rank} on {self.host}) "
             f"failed first: {describe_exit(self.returncode)}"

@@ -196,7 +196,7 @@ def run_hostfile(args: argparse.Namespace, actions: Iterable[argparse.Action]) -
 
         code = run_hostfile(parser.parse_args(["run", "--hostfile", "h.txt", "t.py"]), actions)
     """
-    from tandem.launch.ssh_launcher import HostfileLauncher  # it imports Host from here
+    from tandem.launch.ssh_launcher import HostfileLauncher  # ssh and threads: only when used
 
     hosts = read_hostfile(Path(args.hostfile))
     check_placement(args)

@@ -26,6 +26,8 @@ from collections import deque
 from pathlib import Path
 from typing import IO
 
+from tandem.launch.logfiles import FilteredLog
+
 CONSOLE_TTY = "TANDEM_CONSOLE_TTY"
 CONSOLE_COLUMNS = "TANDEM_CONSOLE_COLUMNS"
 _CLEAR = "\r\x1b[K"  # to the line's start, and erase it (ANSI "erase in line")
@@ -103,9 +105,11 @@ class _Sink:
         log: IO[str] | None,
         tail: deque[str] | None,
         console: Console | None,
+        duplicate: FilteredLog | None = None,
     ) -> None:
         self.out, self.prefix, self.log, self.tail, self.console = out, prefix, log, tail, console
         self.echo = prefix is not None
+        self.duplicate = duplicate if prefix is not None else None  # the console's lines only
 
     def line(self, line: str) -> None:
         if self.tail is not None:
@@ -113,6 +117,8 @@ class _Sink:
         if self.log is not None:
             self.log.write(line + "\n")
             self.log.flush()
+        if self.duplicate is not None:
+            self.duplicate.offer(f"{self.prefix}{line}")
         if self.echo:
             try:
                 if self.console is not None:
@@ -142,6 +148,7 @@ def relay(
     tail: deque[str] | None,
     console: Console | None = None,
     live: bool = False,
+    duplicate: FilteredLog | None = None,
 ) -> threading.Thread:
     """Start the thread passing ``pipe`` (a worker's ``name`` stream) to ``out``.
 
@@ -155,6 +162,8 @@ def relay(
         console: the launcher's terminal while a bar is drawn (see the module doc).
         live: relay in chunks as they come, carriage returns redrawing the bar (rank 0's
             stderr, with a console).
+        duplicate: offered every line shown on the console, prefixed (torchrun's
+            ``--duplicate-*-filters`` file).
 
     Example::
 
@@ -164,7 +173,7 @@ def relay(
     def pump() -> None:
         assert pipe is not None
         log = open(log_dir / f"{name}.log", "w") if log_dir is not None else None  # noqa: SIM115
-        sink = _Sink(out, prefix, log, tail, console)
+        sink = _Sink(out, prefix, log, tail, console, duplicate)
         try:
             if live and console is not None:
                 _pump_chunks(pipe, sink)

@@ -1,15 +1,17 @@
 """Where the workers of an attempt meet: a free local port, or node 0's TCPStore for many nodes.
 
-A coordinator answers three questions per attempt: which address and port the workers'
-rendezvous uses, whether another node's worker has failed, and whether every node is done.
-One node needs no network service at all (and no torch in the launcher); many nodes meet at
-node 0 through torch's TCPStore, with keys named by attempt so a restart never reads what the
-failed attempt left behind.
+A coordinator answers four questions per attempt: which address and port the workers'
+rendezvous uses (and this node's place, a :class:`Placement`), whether another node's worker
+has failed, whether the membership changes (a node waits to join), and whether every node is
+done. One node needs no network service at all (and no torch in the launcher); many nodes meet
+at node 0 through torch's TCPStore, with keys named by attempt so a restart never reads what
+the failed attempt left behind. Elastic node counts (c10d, ``--nnodes MIN:MAX``) are
+:mod:`tandem.launch.membership`'s.
 
 Example::
 
     coordinator = LocalCoordinator("127.0.0.1", port=None)
-    addr, port, env = coordinator.begin(attempt=0)
+    placement = coordinator.begin(attempt=0)   # placement.addr, placement.port, ...
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import socket
 import sys
 import time
 from collections.abc import Mapping
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
 from tandem.launch.failures import Failure
@@ -30,6 +32,10 @@ from tandem.launch.failures import Failure
 #: the launchers and of ``tandem.init`` live under a name derived from it, so a client without it
 #: can neither read them nor forge one (a "failed" key that would stop the job).
 SECRET_VARIABLE = "TANDEM_JOB_SECRET"
+#: The rendezvous round the workers' store keys live under (``tandem.init`` reads it before
+#: ``TORCHELASTIC_RESTART_COUNT``): every node agrees on it, while torch's restart count only
+#: counts this node's failure restarts (a node admitted later starts it at 0).
+ROUND_VARIABLE = "TANDEM_RDZV_ROUND"
 
 
 def key_scope(environ: Mapping[str, str] = os.environ) -> str:
@@ -52,19 +58,45 @@ class LaunchError(RuntimeError):
     """The launch cannot go on: a port in use, a node that never joined, an unreachable store."""
 
 
+@dataclass(frozen=True)
+class Placement:
+    """One attempt's world, as the rendezvous formed it: where the workers meet, this node's
+    rank among ``nnodes`` (fixed, or this round's under ``--nnodes MIN:MAX``), and the
+    rendezvous ``round`` every node of the attempt agrees on."""
+
+    addr: str
+    port: int
+    env: dict[str, str]
+    node_rank: int
+    nnodes: int
+    round: int
+    elastic: bool = False  # the node count may change from one attempt to the next
+
+
+@dataclass(frozen=True)
+class Restart:
+    """Healthy workers must restart anyway: the membership changes (a node waits to join)."""
+
+    reason: str
+
+
 class Coordinator(Protocol):
-    """What the supervisor needs from the rendezvous, per attempt."""
+    """What the supervisor needs from the rendezvous, per attempt (``round``: its Placement's)."""
 
-    def begin(self, attempt: int) -> tuple[str, int, dict[str, str]]: ...
+    def begin(self, attempt: int) -> Placement: ...
 
-    def remote_failure(self, attempt: int) -> Failure | None: ...
+    def remote_failure(self, round: int) -> Failure | None: ...
 
-    def report_failure(self, attempt: int, failure: Failure) -> None: ...
+    def report_failure(self, round: int, failure: Failure) -> None: ...
 
-    def finish(self, attempt: int) -> Failure | None: ...
+    def membership_change(self, round: int) -> Restart | None: ...
+
+    def finish(self, round: int) -> Failure | Restart | None: ...
+
+    def close(self) -> None: ...
 
 
-def _is_host(addr: str, is_host: bool | None) -> bool:
+def is_store_host(addr: str, is_host: bool | None) -> bool:
     """Whether this machine is ``addr``: the c10d store's host (``is_host`` overrides)."""
     if is_host is not None:
         return is_host
@@ -105,113 +137,101 @@ class LocalCoordinator:
         self.addr = addr
         self.port = port
 
-    def begin(self, attempt: int) -> tuple[str, int, dict[str, str]]:
+    def begin(self, attempt: int) -> Placement:
         if self.port is not None:
             check_port_free(self.addr, self.port)
-            return self.addr, self.port, {}
+            return Placement(self.addr, self.port, {}, 0, 1, attempt)
         # A new port each attempt: a restarted rank 0 never races the dying one for its port.
-        return self.addr, free_port(self.addr), {}
+        return Placement(self.addr, free_port(self.addr), {}, 0, 1, attempt)
 
-    def remote_failure(self, attempt: int) -> Failure | None:
+    def remote_failure(self, round: int) -> Failure | None:
         return None
 
-    def report_failure(self, attempt: int, failure: Failure) -> None:
+    def report_failure(self, round: int, failure: Failure) -> None:
         return None
 
-    def finish(self, attempt: int) -> Failure | None:
+    def membership_change(self, round: int) -> Restart | None:
         return None
+
+    def finish(self, round: int) -> Failure | Restart | None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+
+def open_store(
+    addr: str, port: int, timeout: float, hosting: bool, strict: bool, who: str
+) -> tuple[Any, bool]:
+    """The job's TCPStore at ``addr:port`` and whether this process serves it.
+
+    ``hosting``: this node should serve it; ``strict``: that was said (``--node-rank 0``,
+    ``is_host``), so failing to listen is an error rather than a reason to join as a client.
+    """
+    from datetime import timedelta
+
+    # torch only here: a one-node launch never imports it and starts in a fraction of a second.
+    from torch.distributed import TCPStore
+
+    delta = timedelta(seconds=timeout)
+    if hosting:
+        try:
+            check_port_free("0.0.0.0", port)
+            return TCPStore(addr, port, None, True, delta, wait_for_workers=False), True
+        except (LaunchError, RuntimeError):
+            # As torch's c10d: a host found by its address that cannot listen (another
+            # launcher on this machine is the host) joins as a client instead.
+            if strict:
+                raise
+    try:
+        return TCPStore(addr, port, None, False, delta), False
+    except RuntimeError as exc:
+        raise LaunchError(
+            f"{who} could not reach node 0's rendezvous at {addr}:{port} within "
+            f"{timeout:.0f} s: is node 0's `tandem run` started, with --master-addr "
+            f"{addr} --master-port {port} (or --rdzv-endpoint {addr}:{port}), and is that "
+            f"port reachable from this host? (A c10d store's host is the node whose "
+            f"address the endpoint is; where the check misses it, give that node "
+            f"--rdzv-conf is_host=1.) ({exc})"
+        ) from exc
+
+
+def warn_without_secret(scope: str, addr: str, port: int) -> None:
+    """Node 0's warning that its store takes keys from anyone, unless the job has a secret."""
+    if not scope:
+        print(
+            f"tandem run: warning: the job's store at {addr}:{port} takes keys from any "
+            f"host that reaches it; export the same {SECRET_VARIABLE} (e.g. from `openssl "
+            "rand -hex 16`) on every node to keep other programs out",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 class StoreCoordinator:
-    """Many nodes: node 0 hosts a TCPStore at MASTER_ADDR:MASTER_PORT, the others connect.
+    """A fixed number of nodes with given ranks (static rendezvous): node 0 hosts a TCPStore at
+    MASTER_ADDR:MASTER_PORT, the others connect. (``--rdzv-backend c10d`` is
+    :class:`tandem.launch.membership.ElasticCoordinator`.)
 
     Workers use the same store for their own rendezvous (torch's "agent store", under a prefix
     per attempt), so node 0's launcher must outlive every node's workers: it waits in finish().
-
-    ``node_rank=None`` is torchrun's c10d rendezvous (``--rdzv-endpoint``, no ``--node-rank``):
-    the node whose address is the endpoint's (torch's own test, or ``is_host`` from
-    ``--rdzv-conf``) hosts the store and is node 0; the others are numbered 1, 2, ... in the
-    order they reach it (an atomic counter in the store). torch numbers c10d nodes by their
-    sorted descriptors instead, so there the store's host need not be node 0; both give each
-    node a distinct rank, which is all a torchrun script may rely on. A node arriving when
-    ``nnodes`` are there already is refused with an error (no elastic admission yet).
     """
 
-    def __init__(
-        self,
-        nnodes: int,
-        node_rank: int | None,
-        addr: str,
-        port: int,
-        timeout: float,
-        is_host: bool | None = None,
-        job: str = "none",
-    ) -> None:
-        from datetime import timedelta
-
-        # torch only here: a one-node launch never imports it and starts in a fraction of a second.
-        from torch.distributed import TCPStore
-
-        self.nnodes, self.addr, self.port = nnodes, addr, port
+    def __init__(self, nnodes: int, node_rank: int, addr: str, port: int, timeout: float) -> None:
+        self.nnodes, self.node_rank, self.addr, self.port = nnodes, node_rank, addr, port
         self.timeout = timeout
         self.scope = key_scope()
         self.host = socket.gethostname()
-        delta = timedelta(seconds=timeout)
-        hosting = node_rank == 0 if node_rank is not None else _is_host(addr, is_host)
-        self.store: Any = None
-        serving = False
-        if hosting:
-            try:
-                check_port_free("0.0.0.0", port)
-                self.store = TCPStore(addr, port, None, True, delta, wait_for_workers=False)
-                serving = True
-            except (LaunchError, RuntimeError):
-                # As torch's c10d: a host found by its address that cannot listen (another
-                # launcher on this machine is the host) joins as a client instead.
-                if node_rank is not None or is_host is not None:
-                    raise
-        if self.store is None:
-            self.store = self._connect(TCPStore, addr, port, delta, node_rank)
-        if node_rank is None:
-            # The host is node 0 (it listens before anyone can arrive); the others count their
-            # arrival on the store's atomic counter (1, 2, ...): no two get the same rank.
-            node_rank = 0 if serving else self.store.add(f"tandem/{self.scope}{job}/arrivals", 1)
-            if node_rank >= nnodes:
-                raise LaunchError(
-                    f"this node arrived as node {node_rank} at the rendezvous {addr}:{port} "
-                    f"(--rdzv-id {job}), but the job has --nnodes {nnodes}: the job is full "
-                    "(a later node is not admitted until elastic membership lands)"
-                )
-        self.node_rank = node_rank
-        if not self.scope and node_rank == 0:
-            print(
-                f"tandem run: warning: the job's store at {addr}:{port} takes keys from any "
-                f"host that reaches it; export the same {SECRET_VARIABLE} (e.g. from `openssl "
-                "rand -hex 16`) on every node to keep other programs out",
-                file=sys.stderr,
-                flush=True,
-            )
-
-    def _connect(
-        self, store_type: type, addr: str, port: int, delta: object, node_rank: int | None
-    ) -> Any:
-        who = f"node {node_rank}" if node_rank is not None else "this node"
-        try:
-            return store_type(addr, port, None, False, delta)
-        except RuntimeError as exc:
-            raise LaunchError(
-                f"{who} could not reach node 0's rendezvous at {addr}:{port} within "
-                f"{self.timeout:.0f} s: is node 0's `tandem run` started, with --master-addr "
-                f"{addr} --master-port {port} (or --rdzv-endpoint {addr}:{port}), and is that "
-                f"port reachable from this host? (A c10d store's host is the node whose "
-                f"address the endpoint is; where the check misses it, give that node "
-                f"--rdzv-conf is_host=1.) ({exc})"
-            ) from exc
+        self.store, _ = open_store(
+            addr, port, timeout, node_rank == 0, strict=True, who=f"node {node_rank}"
+        )
+        if node_rank == 0:
+            warn_without_secret(self.scope, addr, port)
 
     def _key(self, attempt: int, name: str) -> str:
         return f"tandem/{self.scope}attempt_{attempt}/{name}"
 
-    def begin(self, attempt: int) -> tuple[str, int, dict[str, str]]:
+    def begin(self, attempt: int) -> Placement:
         self.store.set(self._key(attempt, f"node_{self.node_rank}"), self.host)
         deadline = time.monotonic() + self.timeout
         while True:
@@ -231,29 +251,26 @@ class StoreCoordinator:
                 )
             time.sleep(0.05)
         # The workers' own rendezvous is this store, under a prefix per restart count.
-        return self.addr, self.port, {"TORCHELASTIC_USE_AGENT_STORE": "True"}
+        env = {"TORCHELASTIC_USE_AGENT_STORE": "True", ROUND_VARIABLE: str(attempt)}
+        return Placement(self.addr, self.port, env, self.node_rank, self.nnodes, attempt)
 
-    def remote_failure(self, attempt: int) -> Failure | None:
-        key = self._key(attempt, "failed")
-        if not self.store.check([key]):
-            return None
-        fields = json.loads(self.store.get(key))
-        fields["tail"] = tuple(fields["tail"])
-        return Failure(**fields)
+    def remote_failure(self, round: int) -> Failure | None:
+        return read_failure(self.store, self._key(round, "failed"))
 
-    def report_failure(self, attempt: int, failure: Failure) -> None:
-        key = self._key(attempt, "failed")
-        if not self.store.check([key]):
-            self.store.set(key, json.dumps(asdict(failure)))
+    def report_failure(self, round: int, failure: Failure) -> None:
+        write_failure(self.store, self._key(round, "failed"), failure)
 
-    def finish(self, attempt: int) -> Failure | None:
+    def membership_change(self, round: int) -> Restart | None:
+        return None
+
+    def finish(self, round: int) -> Failure | Restart | None:
         # Every node waits for every other: a node whose peers fail after it finished must take
         # part in the restart, and node 0 must keep hosting the store until all are done.
-        self.store.set(self._key(attempt, f"done_{self.node_rank}"), "1")
+        self.store.set(self._key(round, f"done_{self.node_rank}"), "1")
         deadline = time.monotonic() + self.timeout
-        keys = [self._key(attempt, f"done_{i}") for i in range(self.nnodes)]
+        keys = [self._key(round, f"done_{i}") for i in range(self.nnodes)]
         while not all(self.store.check([k]) for k in keys):
-            failure = self.remote_failure(attempt)
+            failure = self.remote_failure(round)
             if failure is not None:
                 return failure
             if time.monotonic() > deadline:
@@ -264,9 +281,27 @@ class StoreCoordinator:
                 )
             time.sleep(0.05)
         # Node 0 hosts the store: it leaves last, once every other node has seen the outcome.
-        self.store.set(self._key(attempt, f"left_{self.node_rank}"), "1")
+        self.store.set(self._key(round, f"left_{self.node_rank}"), "1")
         if self.node_rank == 0:
-            left = [self._key(attempt, f"left_{i}") for i in range(1, self.nnodes)]
+            left = [self._key(round, f"left_{i}") for i in range(1, self.nnodes)]
             while not all(self.store.check([k]) for k in left) and time.monotonic() < deadline:
                 time.sleep(0.05)
         return None
+
+    def close(self) -> None:
+        return None
+
+
+def read_failure(store: Any, key: str) -> Failure | None:
+    """The failure another node wrote under ``key``, or None."""
+    if not store.check([key]):
+        return None
+    fields = json.loads(store.get(key))
+    fields["tail"] = tuple(fields["tail"])
+    return Failure(**fields)
+
+
+def write_failure(store: Any, key: str, failure: Failure) -> None:
+    """Record ``failure`` under ``key`` unless one is there already (the first one counts)."""
+    if not store.check([key]):
+        store.set(key, json.dumps(asdict(failure)))

@@ -42,13 +42,16 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from tandem.launch.failures import describe_exit
-from tandem.launch.hostfile import Host
 from tandem.launch.relay import relay
 
 # One rule in one place: workers and ssh clients die with their launcher the same way.
 from tandem.launch.supervisor import _in_own_group_dying_with_parent
+
+if TYPE_CHECKING:  # hostfile.py imports this module to run the hosts
+    from tandem.launch.hostfile import Host
 
 #: The ssh command (and options) to reach the hosts, split as a shell would; default ``ssh``.
 SSH_VARIABLE = "TANDEM_SSH"

@@ -12,6 +12,10 @@ Per attempt:
 4. The first worker to exit non-zero, or to die by a signal, fails the attempt: the others get
    SIGTERM, then SIGKILL after a grace period, and the launcher says who failed, how, and what
    the worker last wrote. With restarts left, a new attempt starts with a new rendezvous.
+5. Under elastic node counts (``membership.py``) a healthy attempt also ends when a node
+   waits to join: the workers stop and the next rendezvous round admits it (not counted
+   against ``--max-restarts``, as in torch's agent); each round may give this node another
+   rank and the job another size.
 
 SIGINT, SIGTERM and SIGUSR1 sent to the launcher are passed to every worker.
 
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import json
 import os
 import shutil
@@ -43,7 +48,7 @@ from tandem.doctor import stragglers
 from tandem.launch.failures import Failure
 from tandem.launch.logfiles import LogPlan
 from tandem.launch.relay import CONSOLE_COLUMNS, CONSOLE_TTY, Console, console_env, relay
-from tandem.launch.rendezvous import Coordinator
+from tandem.launch.rendezvous import ROUND_VARIABLE, Coordinator, Placement, Restart
 
 TAIL_LINES = 30
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
@@ -120,12 +125,17 @@ class Worker:
         live = console is not None and self.rank == 0 and err_shown
         out_echo = prefix if show and out_shown else None
         err_echo = prefix if show and err_shown else None
+        filtered = logs.filtered if logs else {}  # --duplicate-*-filters: the console's lines
         self.threads = [
-            relay(self.proc.stdout, sys.stdout, out_echo, out_log, "stdout", None, console),
             relay(
-                self.proc.stderr, sys.stderr, err_echo, err_log, "stderr", self.tail, console, live
+                self.proc.stdout, sys.stdout, out_echo, out_log, "stdout", None, console,
+                duplicate=filtered.get("stdout"),
             ),
-        ]
+            relay(
+                self.proc.stderr, sys.stderr, err_echo, err_log, "stderr", self.tail, console,
+                live, duplicate=filtered.get("stderr"),
+            ),
+        ]  # fmt: skip
 
     def signal(self, signum: int) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -164,6 +174,7 @@ class Supervisor:
             return self._attempts()
         finally:
             self._stop_all(signal.SIGKILL, grace=0)
+            self.coordinator.close()
             steps = stragglers.summary(self.reports, self.spec.run_id)  # per rank; the slowest
             if steps is not None:
                 _say(steps)
@@ -174,12 +185,23 @@ class Supervisor:
 
     def _attempts(self) -> int:
         failure: Failure | None = None
-        for attempt in range(self.spec.max_restarts + 1):
-            if attempt:
-                _say(f"restarting all workers (restart {attempt} of {self.spec.max_restarts})")
-            addr, port, extra = self.coordinator.begin(attempt)
-            self._start(attempt, addr, port, extra)
-            failure = self._watch(attempt)
+        restarts = 0  # after failures only: torch's TORCHELASTIC_RESTART_COUNT
+        attempt = 0
+        while True:
+            placement = self.coordinator.begin(attempt)
+            # Elastic rounds may change this node's rank and the node count.
+            self.spec = dataclasses.replace(
+                self.spec, node_rank=placement.node_rank, nnodes=placement.nnodes
+            )
+            if placement.elastic:
+                first = self.spec.global_rank(0)
+                _say(
+                    f"round {placement.round}: node {placement.node_rank} of "
+                    f"{placement.nnodes}, world size {self.spec.world_size} (ranks {first}.."
+                    f"{first + self.spec.nproc_per_node - 1} here)"
+                )
+            self._start(attempt, restarts, placement)
+            outcome = self._watch(placement.round)
             ended = time.time()  # the signal or failure, within _watch's 20 ms poll
             if self.stop_signal is not None:
                 # The workers have the signal already; those still saving get the longer wait.
@@ -198,29 +220,38 @@ class Supervisor:
                 if saved is not None:
                     _say(saved)
                 return 128 + self.stop_signal
-            if failure is None:
-                failure = self.coordinator.finish(attempt)
-                if failure is None:
+            if outcome is None:
+                outcome = self.coordinator.finish(placement.round)
+                if outcome is None:
                     return 0
             self._stop_all(signal.SIGTERM, self.spec.grace_s)
+            attempt += 1
+            if isinstance(outcome, Restart):  # a membership change, not a failure (as torch)
+                _say(outcome.reason)
+                continue
+            failure = outcome
             _say(failure.summary())
             report = newest_hang_report(self.reports, named=not self.own_reports)
             if report is not None:
                 _say(report)
-        assert failure is not None
+            if restarts == self.spec.max_restarts:
+                break
+            restarts += 1
+            _say(f"restarting all workers (restart {restarts} of {self.spec.max_restarts})")
         saved = committed_checkpoint(self.reports, self.spec.run_id, ended, "the failure")
         if saved is not None:
             _say(saved)
         return failure.exit_code()
 
-    def _start(self, attempt: int, addr: str, port: int, extra: dict[str, str]) -> None:
+    def _start(self, attempt: int, restarts: int, placement: Placement) -> None:
         spec = self.spec
         base = dict(os.environ)
         base.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+        base.pop(ROUND_VARIABLE, None)
         for name in (CONSOLE_TTY, CONSOLE_COLUMNS):  # a launcher's launcher's, not ours
             base.pop(name, None)
         base.update(self.console_env)
-        base.update(extra)
+        base.update(placement.env)
         base.update(
             WORLD_SIZE=str(spec.world_size),
             LOCAL_WORLD_SIZE=str(spec.nproc_per_node),
@@ -229,9 +260,9 @@ class Supervisor:
             ROLE_NAME=spec.role,
             TANDEM_REPORT_DIR=str(self.reports),
             ROLE_WORLD_SIZE=str(spec.world_size),
-            MASTER_ADDR=addr,
-            MASTER_PORT=str(port),
-            TORCHELASTIC_RESTART_COUNT=str(attempt),
+            MASTER_ADDR=placement.addr,
+            MASTER_PORT=str(placement.port),
+            TORCHELASTIC_RESTART_COUNT=str(restarts),
             TANDEM_RESTART_COUNT=str(attempt),
             TORCHELASTIC_MAX_RESTARTS=str(spec.max_restarts),
             TORCHELASTIC_RUN_ID=spec.run_id,
@@ -257,8 +288,9 @@ class Supervisor:
                 env["TORCHELASTIC_ERROR_FILE"] = str(rank_dir / "error.json")
             self.workers.append(Worker(spec, local_rank, env, spec.logs, self.console))
 
-    def _watch(self, attempt: int) -> Failure | None:
-        """Until all workers succeed (None), one fails, another node fails, or a signal."""
+    def _watch(self, round: int) -> Failure | Restart | None:
+        """Until all workers succeed (None), one fails, another node fails, the membership
+        changes (a node waits to join), or a signal."""
         while self.stop_signal is None:
             codes = [w.proc.poll() for w in self.workers]
             for worker, code in zip(self.workers, codes, strict=True):
@@ -269,15 +301,18 @@ class Supervisor:
                     failure = Failure(
                         worker.rank, worker.local_rank, self.host, code, worker.drained_tail()
                     )
-                    self.coordinator.report_failure(attempt, failure)
+                    self.coordinator.report_failure(round, failure)
                     return failure
             if all(code == 0 for code in codes):
                 for w in self.workers:
                     w.drained_tail()
                 return None
-            remote = self.coordinator.remote_failure(attempt)
+            remote = self.coordinator.remote_failure(round)
             if remote is not None:
                 return remote
+            change = self.coordinator.membership_change(round)
+            if change is not None:
+                return change
             time.sleep(0.02)
         return None
 

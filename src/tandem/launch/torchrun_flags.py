@@ -99,8 +99,8 @@ def add_torchrun_flags(parser: argparse.ArgumentParser) -> None:
         size,
         "--nnodes",
         default=None,
-        help="nodes: N, or MIN:MAX (starts with MIN nodes; "
-        "see README) (default: 1, or SLURM's under srun)",
+        help="nodes: N, or MIN:MAX (c10d: elastic, from MIN to MAX nodes, re-formed at each "
+        "restart; see README) (default: 1, or SLURM's under srun)",
     )
     flag(
         size,
@@ -132,8 +132,10 @@ def add_torchrun_flags(parser: argparse.ArgumentParser) -> None:
         rdzv,
         "--rdzv-conf",
         default="",
-        help="k=v,...: join_timeout (s to wait for all nodes, instead of --rdzv-timeout), "
-        "is_host; others accepted, unused",
+        help="k=v,...: join_timeout (s to wait for MIN nodes; static: instead of "
+        "--rdzv-timeout; c10d default 600), last_call_timeout (c10d: s to wait for more once "
+        "MIN are there, 30), keep_alive_interval (s between beats, 1), keep_alive_max_attempt "
+        "(missed beats before a node is lost, 5), is_host; others accepted, unused",
     )
     flag(
         rdzv,
@@ -216,13 +218,15 @@ def add_torchrun_flags(parser: argparse.ArgumentParser) -> None:
         launch,
         "--duplicate-stdout-filters",
         default="",
-        help="accepted; not applied (a warning says so): grep the attempt's stdout.log",
+        help="copy the console's stdout lines holding any of these (comma-separated; ,, is a "
+        "comma) to the attempt's filtered_stdout.log",
     )
     flag(
         launch,
         "--duplicate-stderr-filters",
         default="",
-        help="accepted; not applied (a warning says so): grep the attempt's stderr.log",
+        help="copy the console's stderr lines holding any of these (comma-separated; ,, is a "
+        "comma) to the attempt's filtered_stderr.log",
     )
     flag(
         launch,

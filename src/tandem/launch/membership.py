@@ -1,0 +1,396 @@
+"""Elastic node counts: torchelastic's c10d rendezvous (``--nnodes MIN:MAX``), round by round.
+
+The node whose address the endpoint is hosts a TCPStore and is node 0 of every round; the
+others connect. Who takes part is decided per *round*, one per attempt, each under keys of its
+own: a round never reads what a crashed one left behind, so the stale rendezvous state that
+keeps torchelastic from re-forming after a crash (torch issue 135712) cannot arise here. Every
+restart forms a new round from the nodes that register for it:
+
+1. Registering: a launcher takes a place in round R (an atomic counter) and writes its id and
+   host there. A node that arrives while round R runs registers for R + 1: it is *waiting*;
+   one that arrives while MAX nodes run is refused.
+2. Closing, by node 0 alone: once MIN nodes are registered it waits the last call
+   (``last_call_timeout``, torch's 30 s) for more, up to MAX, and for the nodes of the previous
+   round that are still alive (they come as soon as their workers have stopped), then writes
+   round R's members: itself, then the others in order of arrival. A registered node left out
+   waits for the next round.
+3. Running: each launcher beats (a counter in the store, every ``keep_alive_interval``); a
+   member whose beat stops for ``keep_alive_interval * keep_alive_max_attempt`` is lost (its
+   launcher was killed, or its host is down): the first launcher to notice records a failure
+   for the round, and every node restarts, at the smaller size. A lost node's workers usually
+   fail the others' collectives sooner; the beat is for workers that are not communicating.
+   Node 0 restarts a healthy round when a node is waiting and the round has room (torch's
+   ``num_nodes_waiting``); as in torch's agent, that restart does not count against
+   ``--max-restarts``.
+4. Ending: each node marks itself done; the round ends when every member has, and node 0
+   keeps the store up until each has left. A node still waiting then is told the job ended.
+
+Node 0's death ends the job (its store is gone), as with torch's c10d backend.
+
+Example::
+
+    settings = ElasticSettings(min_nodes=1, max_nodes=2, last_call=5.0)
+    coordinator = ElasticCoordinator(settings, "10.0.0.1", 29400, job="456")
+    placement = coordinator.begin(attempt=0)   # this round's node_rank and nnodes
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from tandem.launch.failures import Failure
+from tandem.launch.rendezvous import (
+    ROUND_VARIABLE,
+    LaunchError,
+    Placement,
+    Restart,
+    is_store_host,
+    key_scope,
+    open_store,
+    read_failure,
+    warn_without_secret,
+    write_failure,
+)
+
+_POLL_S = 0.05
+# The watch loop asks every 20 ms; the store is asked at most this often (each ask is a round
+# trip to node 0 from every node).
+_ASK_EVERY_S = 0.1
+
+
+@dataclass(frozen=True)
+class ElasticSettings:
+    """The c10d rendezvous' knobs, torch's names in ``--rdzv-conf`` (seconds).
+
+    Attributes:
+        min_nodes, max_nodes: ``--nnodes MIN:MAX``.
+        join_timeout: how long a round may take to reach MIN nodes (torch's 600 s).
+        last_call: after MIN nodes are there, how long to wait for more (torch's 30 s).
+        keep_alive_interval, keep_alive_max_attempt: a launcher beats every interval; a node
+            whose beat stops for ``interval * max_attempt`` seconds is lost.
+        is_host: this node hosts the store (None: it does if the endpoint is its address).
+    """
+
+    min_nodes: int
+    max_nodes: int
+    join_timeout: float = 600.0
+    last_call: float = 30.0
+    keep_alive_interval: float = 1.0
+    keep_alive_max_attempt: int = 5
+    is_host: bool | None = None
+
+    @property
+    def lost_after(self) -> float:
+        """Seconds without a beat after which a node counts as lost."""
+        return self.keep_alive_interval * self.keep_alive_max_attempt
+
+
+class _Store:
+    """The store, where losing node 0's server is a LaunchError that says what it means."""
+
+    def __init__(self, store: Any, where: str) -> None:
+        self._store, self._where = store, where
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self._store, name)
+
+        def call(*args: Any) -> Any:
+            try:
+                return method(*args)
+            except RuntimeError as exc:  # torch's DistNetworkError and DistStoreError
+                raise LaunchError(
+                    f"lost the rendezvous store at {self._where} (node 0's `tandem run`): the "
+                    "job cannot go on without it; as with torch's c10d rendezvous, the store's "
+                    f"host ending or dying ends the job ({str(exc).splitlines()[0]})"
+                ) from exc
+
+        return call
+
+
+class _Beats:
+    """When each member's beat counter last moved, on this node's clock (no clocks compared)."""
+
+    def __init__(self, lost_after: float) -> None:
+        self.lost_after = lost_after
+        self.seen: dict[str, tuple[int, float]] = {}
+
+    def lost(self, counts: dict[str, int]) -> list[str]:
+        """The ids whose count has not moved for ``lost_after`` seconds."""
+        now = time.monotonic()
+        gone = []
+        for node, count in counts.items():
+            last = self.seen.get(node)
+            if last is None or last[0] != count:
+                self.seen[node] = (count, now)
+            elif now - last[1] > self.lost_after:
+                gone.append(node)
+        return gone
+
+
+class ElasticCoordinator:
+    """``--rdzv-backend c10d``: nodes meet at the endpoint's store, between MIN and MAX of them,
+    in rounds formed anew at every restart (see the module's docstring for the protocol)."""
+
+    def __init__(self, settings: ElasticSettings, addr: str, port: int, job: str) -> None:
+        self.settings, self.addr, self.port, self.job = settings, addr, port, job
+        self.id = uuid.uuid4().hex[:12]
+        self.host = socket.gethostname()
+        hosting = is_store_host(addr, settings.is_host)
+        store, self.serving = open_store(
+            addr, port, settings.join_timeout, hosting, settings.is_host is not None, "this node"
+        )
+        self.store = _Store(store, f"{addr}:{port}")
+        self.prefix = f"tandem/{key_scope()}{job}/elastic/"
+        if self.serving:
+            warn_without_secret(key_scope(), addr, port)
+        self.round = -1
+        self.members: list[dict[str, str]] = []
+        self.beats = _Beats(settings.lost_after)
+        self.asked, self.asked_change = 0.0, 0.0
+        self.last_failure: Failure | None = None
+        # Its own connection: the main thread may be inside a long store call (or none at all).
+        beat_store = open_store(addr, port, settings.join_timeout, False, False, "this node")[0]
+        self.stopping = threading.Event()
+        self.beating = threading.Thread(
+            target=self._beat, args=(beat_store,), name="tandem-beat", daemon=True
+        )
+        self.beating.start()
+
+    def _key(self, *parts: object) -> str:
+        return self.prefix + "/".join(str(p) for p in parts)
+
+    def _beat(self, store: Any) -> None:
+        key = self._key("beat", self.id)
+        while not self.stopping.is_set():
+            try:
+                store.add(key, 1)
+            except RuntimeError:
+                return  # the store is gone: the main thread finds out and says so
+            self.stopping.wait(self.settings.keep_alive_interval)
+
+    def close(self) -> None:
+        """Stop beating. Before the interpreter exits: a thread inside the store's C++ client
+        at exit aborts the process ("terminate called without an active exception")."""
+        self.stopping.set()
+        self.beating.join(timeout=5.0)
+
+    # ---- 1 and 2: registering and closing a round ----
+
+    def begin(self, attempt: int) -> Placement:
+        """Form the next round (node 0) or join it (the others); this node's place in it."""
+        if self.serving:
+            self._close(0 if attempt == 0 else self.round + 1)
+        else:
+            self._join(None if attempt == 0 else self.round + 1)
+        index = [m["id"] for m in self.members].index(self.id)
+        env = {"TORCHELASTIC_USE_AGENT_STORE": "True", ROUND_VARIABLE: str(self.round)}
+        self.beats = _Beats(self.settings.lost_after)  # a member's clock starts at its round
+        self.asked, self.asked_change, self.last_failure = 0.0, 0.0, None
+        return Placement(
+            self.addr, self.port, env, index, len(self.members), self.round, elastic=True
+        )
+
+    def _register(self, round: int) -> None:
+        place = int(self.store.add(self._key(round, "arrivals"), 1))
+        self.store.set(self._key(round, "slot", place), json.dumps(self._me()))
+
+    def _me(self) -> dict[str, str]:
+        return {"id": self.id, "host": self.host}
+
+    def _registered(self, round: int, count: int) -> list[dict[str, str]]:
+        keys = [self._key(round, "slot", i) for i in range(1, count + 1)]
+        # A slot is written a moment after its place is taken: wait briefly for the last ones.
+        give_up = time.monotonic() + 5.0
+        while keys and not self.store.check(keys) and time.monotonic() < give_up:
+            time.sleep(0.01)
+        return [json.loads(self.store.get(k)) for k in keys if self.store.check([k])]
+
+    def _close(self, round: int) -> None:
+        """Node 0: open ``round``, wait for MIN nodes and the last call, write its members."""
+        s = self.settings
+        alive = [m["id"] for m in self.members if m["id"] != self.id]
+        lost = self._lost_ids(alive)
+        alive = [m for m in alive if m not in lost]
+        self.store.set(self._key("round"), str(round))
+        started = time.monotonic()
+        quorum_at: float | None = None
+        while True:
+            count = int(self.store.add(self._key(round, "arrivals"), 0))
+            now = time.monotonic()
+            if 1 + count >= s.min_nodes and quorum_at is None:
+                quorum_at = now
+            if 1 + count >= s.max_nodes:
+                break
+            if quorum_at is not None and now - quorum_at >= s.last_call:
+                came = {m["id"] for m in self._registered(round, count)}
+                # The previous round's nodes that still beat are on their way back (stopping
+                # their workers takes a moment): without them a smaller round would form, and
+                # restart at once to admit them. A lost one stops beating within lost_after.
+                lost = self._lost_ids(alive)
+                alive = [m for m in alive if m not in came and m not in lost]
+                if not alive or now - quorum_at >= s.last_call + s.lost_after:
+                    break
+            elif now - started > s.join_timeout:
+                raise LaunchError(
+                    f"only {1 + count} of at least {s.min_nodes} nodes (--nnodes "
+                    f"{s.min_nodes}:{s.max_nodes}) joined the rendezvous at {self.addr}:"
+                    f"{self.port} (--rdzv-id {self.job}) within join_timeout="
+                    f"{s.join_timeout:g} s: start `tandem run` with the same --rdzv-endpoint "
+                    "and --rdzv-id on the others, or give them longer (--rdzv-conf "
+                    "join_timeout=SECONDS)"
+                )
+            time.sleep(_POLL_S)
+        others = self._registered(round, count)[: s.max_nodes - 1]
+        self.members = [self._me(), *others]
+        self.round = round
+        self.store.set(self._key(round, "members"), json.dumps(self.members))
+
+    def _join(self, round: int | None) -> None:
+        """Every other node: register for ``round`` (None: the one open now) until admitted."""
+        s = self.settings
+        deadline = time.monotonic() + s.join_timeout
+        if round is None:  # first arrival: join the round forming, or wait for the next one
+            round = int(self._wait_for(self._key("round"), deadline))
+            running = self._members(round)
+            if running is not None:
+                self._refuse_if_full(round, running)
+                round += 1
+                _say(
+                    f"round {round - 1} runs with {len(running)} node(s) of up to "
+                    f"{s.max_nodes}: this node waits to join at its next restart"
+                )
+        while True:
+            self._register(round)
+            members = json.loads(self._wait_for(self._key(round, "members"), deadline))
+            if self.id in [m["id"] for m in members]:
+                self.members, self.round = members, round
+                return
+            self._refuse_if_full(round, members)
+            round += 1  # registered after node 0 closed the round: wait for the next one
+
+    def _members(self, round: int) -> list[dict[str, str]] | None:
+        key = self._key(round, "members")
+        return json.loads(self.store.get(key)) if self.store.check([key]) else None
+
+    def _refuse_if_full(self, round: int, members: list[dict[str, str]]) -> None:
+        if len(members) >= self.settings.max_nodes:
+            raise LaunchError(
+                f"the job at the rendezvous {self.addr}:{self.port} (--rdzv-id {self.job}) "
+                f"already runs on {len(members)} nodes, its --nnodes maximum "
+                f"{self.settings.max_nodes}: this node is not admitted (raise MAX in "
+                "--nnodes MIN:MAX on every node to let more join)"
+            )
+
+    def _wait_for(self, key: str, deadline: float) -> str:
+        """The value of ``key`` once node 0 writes it; the job's end and the deadline say so."""
+        while not self.store.check([key]):
+            if self.store.check([self._key("closed")]):
+                raise JobEnded("the job ended before this node was admitted; nothing ran here")
+            if time.monotonic() > deadline:
+                raise LaunchError(
+                    f"this node waited join_timeout={self.settings.join_timeout:g} s at the "
+                    f"rendezvous {self.addr}:{self.port} (--rdzv-id {self.job}) without being "
+                    "admitted: node 0 never formed a round with it (is the job at its "
+                    "minimum node count still forming? --rdzv-conf join_timeout=SECONDS)"
+                )
+            time.sleep(_POLL_S)
+        return self.store.get(key).decode()
+
+    # ---- 3: running ----
+
+    def _lost_ids(self, ids: list[str]) -> list[str]:
+        counts = {i: int(self.store.add(self._key("beat", i), 0)) for i in ids}
+        return self.beats.lost(counts)
+
+    def remote_failure(self, round: int) -> Failure | None:
+        """A failure another node recorded for ``round``, or a member that stopped beating."""
+        if time.monotonic() - self.asked < _ASK_EVERY_S:
+            return self.last_failure
+        self.asked = time.monotonic()
+        key = self._key(round, "failed")
+        failure = read_failure(self.store, key)
+        if failure is None:
+            others = [m for m in self.members if m["id"] != self.id]
+            lost = set(self._lost_ids([m["id"] for m in others]))
+            for rank, member in enumerate(self.members):
+                if member["id"] in lost:
+                    cause = (
+                        f"node {rank} ({member['host']}) was lost: its launcher sent no beat "
+                        f"for {self.settings.lost_after:g} s (killed, or its host or network "
+                        "is down)"
+                    )
+                    write_failure(self.store, key, Failure(-1, -1, member["host"], 1, (), cause))
+                    failure = read_failure(self.store, key)  # the first recorded counts
+                    break
+        self.last_failure = failure
+        return failure
+
+    def report_failure(self, round: int, failure: Failure) -> None:
+        """Record this node's worker failure for every node of ``round`` to see."""
+        write_failure(self.store, self._key(round, "failed"), failure)
+
+    def membership_change(self, round: int) -> Restart | None:
+        """Restart healthy workers to admit waiting nodes: node 0 decides, everyone follows."""
+        if time.monotonic() - self.asked_change < _ASK_EVERY_S:
+            return None
+        self.asked_change = time.monotonic()
+        verdict = self._key(round, "verdict")
+        waiting = 0
+        if self.serving and len(self.members) < self.settings.max_nodes:
+            waiting = int(self.store.add(self._key(round + 1, "arrivals"), 0))
+            if waiting:
+                # At most once, and not after a node finished its workers ("finish"): then the
+                # job is ending, and a waiting node is told so instead.
+                self.store.compare_set(verdict, "", "restart")
+        if self.store.check([verdict]) and self.store.get(verdict) == b"restart":
+            return self._admission(waiting)
+        return None
+
+    def _admission(self, waiting: int) -> Restart:
+        return Restart(
+            f"{waiting or 'a'} node(s) waiting to join: restarting the workers to admit them "
+            f"(round {self.round + 1}; not counted against --max-restarts)"
+        )
+
+    # ---- 4: ending ----
+
+    def finish(self, round: int) -> Failure | Restart | None:
+        """This node's workers succeeded: wait for every member's, or a failure, or a loss."""
+        verdict = self.store.compare_set(self._key(round, "verdict"), "", "finish")
+        if verdict == b"restart":  # node 0 decided to admit a node just before we finished
+            return self._admission(int(self.store.add(self._key(round + 1, "arrivals"), 0)))
+        index = [m["id"] for m in self.members].index(self.id)
+        self.store.set(self._key(round, "done", index), "1")
+        done = [self._key(round, "done", i) for i in range(len(self.members))]
+        while not self.store.check(done):
+            failure = self.remote_failure(round)
+            if failure is not None:
+                return failure
+            time.sleep(_POLL_S)
+        self.store.set(self._key(round, "left", index), "1")
+        if self.serving:
+            # The store goes with node 0's launcher: keep it until every node has seen the end,
+            # and tell a node still waiting to join that the job is over.
+            self.store.set(self._key("closed"), "1")
+            left = [self._key(round, "left", i) for i in range(1, len(self.members))]
+            until = time.monotonic() + self.settings.lost_after + 5.0
+            while not self.store.check(left) and time.monotonic() < until:
+                time.sleep(_POLL_S)
+            if int(self.store.add(self._key(round + 1, "arrivals"), 0)):
+                time.sleep(2 * _POLL_S + self.settings.keep_alive_interval)
+        return None
+
+
+class JobEnded(LaunchError):
+    """A node waiting to be admitted found the job finished: nothing to do, not a failure."""
+
+
+def _say(message: str) -> None:
+    print(f"tandem run: {message}", file=sys.stderr, flush=True)

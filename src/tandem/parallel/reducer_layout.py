@@ -1,0 +1,166 @@
+"""The bucket layout of tandem.DDP's reducer: how gradients are grouped, and when regrouped.
+
+Buckets follow torch's rules so that both engines sum the same numbers in the same groups: the
+first backward runs with one bucket per dtype and device (the ready order is unknown), then the
+buckets are rebuilt once in the order the gradients really became ready (rank 0's order,
+broadcast). With find_unused_parameters the graph may change every step: the buckets are cut
+from the start and never rebuilt. The learnt layout is part of the reducer's state, so that a
+resumed run reduces in the same buckets as the uninterrupted one.
+
+:class:`ReducerLayout` is the part of :class:`tandem.parallel.reducer.Reducer` that owns the
+buckets; the reducer adds the per-iteration hooks, launches and the end of backward.
+
+Example::
+
+    bucket_caps(None, None)          # torch's defaults: (25 MiB, 1 MiB) in bytes
+    reducer.state_dict()             # {"rebuilt": True, "layout": [[5, 4], [3, 2, 1, 0]], ...}
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tandem._dist import global_rank
+from tandem.doctor import records
+from tandem.parallel import lockstep
+from tandem.parallel.buckets import MIB, Bucket, assign_buckets, build_buckets
+
+DEFAULT_BUCKET_MB = 25.0
+# With the default cap the first rebuilt bucket is small, so that the first all-reduce starts
+# early in backward; an explicit bucket_cap_mb applies to every bucket (torch's rule).
+DEFAULT_FIRST_BUCKET_MB = 1.0
+
+
+log = logging.getLogger("tandem.parallel.reducer")
+
+
+def bucket_caps(bucket_cap_mb: float | None, first_bucket_cap_mb: float | None) -> tuple[int, int]:
+    """(cap, first cap) in bytes, by torch's rule; ValueError for a cap that is not positive."""
+    cap_mb = DEFAULT_BUCKET_MB if bucket_cap_mb is None else bucket_cap_mb
+    if first_bucket_cap_mb is None:
+        first_bucket_cap_mb = DEFAULT_FIRST_BUCKET_MB if bucket_cap_mb is None else cap_mb
+    for name, mb in (("bucket_cap_mb", cap_mb), ("first_bucket_cap_mb", first_bucket_cap_mb)):
+        if not mb > 0:
+            raise ValueError(f"{name}={mb} must be a positive number of MiB")
+    # At least one byte: a tiny cap means one parameter per bucket, not an invalid cap.
+    return max(1, int(cap_mb * MIB)), max(1, int(first_bucket_cap_mb * MIB))
+
+
+class ReducerLayout:
+    """The reducer's buckets: cut, installed, rebuilt once, saved and loaded (module doc)."""
+
+    # Set by the Reducer's constructor.
+    params: list[torch.Tensor]
+    group: dist.ProcessGroup | None
+    world_size: int
+    cap_bytes: int
+    first_cap_bytes: int
+    as_view: bool
+    static_graph: bool
+    eager: list[bool]  # copied in as soon as ready (see reducer.LARGE_GRADIENT)
+    rebuilt: bool
+    ready_order: list[int]
+    backwards: int
+    progress: lockstep.Progress
+    wait: Callable[[dist.Work, str], None]
+
+    def _layout(
+        self, order: list[int], reverse: bool = False, one_bucket: bool = False
+    ) -> list[list[int]]:
+        # Cut in registration order and reversed (initially): gradients arrive roughly in
+        # reverse, and the small first-cut bucket then holds the first layers, whose gradients
+        # come last, so the all-reduce left after backward is a short one.
+        sizes = [p.numel() * p.element_size() for p in self.params]
+        keys = [(p.dtype, p.device) for p in self.params]
+        if one_bucket:
+            return list(reversed(assign_buckets(sizes, keys, order, sys.maxsize, sys.maxsize)))
+        layout = assign_buckets(sizes, keys, order, self.cap_bytes, self.first_cap_bytes)
+        return list(reversed(layout)) if reverse else layout
+
+    def _install(self, layout: list[list[int]]) -> None:
+        self.buckets: list[Bucket] = build_buckets(layout, self.params)
+        self.has_eager = [any(self.eager[i] for i in b.params) for b in self.buckets]
+        self.bucket_of = [self.buckets[0]] * len(self.params)
+        self.views: list[torch.Tensor] = [torch.empty(0)] * len(self.params)
+        for bucket in self.buckets:
+            for slot, i in enumerate(bucket.params):
+                self.bucket_of[i] = bucket
+                self.views[i] = bucket.views[slot]
+        if self.as_view:
+            for i, p in enumerate(self.params):
+                if p.grad is not None:
+                    self.views[i].copy_(p.grad)
+                    p.grad = self.views[i]
+
+    @property
+    def layout(self) -> list[list[int]]:
+        """Parameter indices per bucket, in launch order."""
+        return [list(b.params) for b in self.buckets]
+
+    def state_dict(self) -> dict[str, Any]:
+        """The bucket order learnt so far: a resumed run then builds the same buckets.
+
+        Example::
+
+            state = ddp.reducer.state_dict()     # saved in a checkpoint
+            fresh.reducer.load_state_dict(state)
+        """
+        return {"rebuilt": self.rebuilt, "layout": self.layout, "ready_order": self.ready_order}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Take the buckets of a saved run (see ``state_dict``)."""
+        layout = [list(b) for b in state["layout"]]
+        if sorted(i for b in layout for i in b) != list(range(len(self.params))):
+            raise ValueError(
+                f"the saved bucket layout covers {sum(len(b) for b in layout)} parameters, this "
+                f"model has {len(self.params)}: load the state of the same model"
+            )
+        self.rebuilt = bool(state["rebuilt"])
+        self.ready_order = list(state["ready_order"])
+        if layout != self.layout:
+            self._install(layout)
+
+    def rebuild(self) -> bool:
+        """Once, before a forward: re-bucket in the order gradients became ready.
+
+        Rank 0's observed order is broadcast, because every rank must build identical buckets
+        and hook timing can differ between ranks.
+        """
+        if self.rebuilt or len(self.ready_order) == 0:
+            return False
+        self.rebuilt = True
+        seen = set(self.ready_order)
+        # Parameters that got no gradient (static_graph's unused) go last in index order, where
+        # torch appends them: the same buckets, so the same sums in Gloo's ring, bit for bit.
+        order = self.ready_order + [i for i in range(len(self.params)) if i not in seen]
+        if self.world_size > 1:
+            t = torch.tensor(order, dtype=torch.int64, device=self.params[0].device)
+            with records.tagged(f"DDP bucket rebuild, step {self.progress.step}"):
+                work = dist.broadcast(
+                    t, src=global_rank(self.group, 0), group=self.group, async_op=True
+                )
+            self.wait(work, "bucket rebuild broadcast")
+            order = t.tolist()
+        layout = self._layout(order)
+        if layout == self.layout:
+            log.debug("bucket rebuild: the learnt order gives the same %d bucket(s)", len(layout))
+            return False
+        self._install(layout)
+        log.debug(
+            "buckets rebuilt in the order gradients became ready: %d bucket(s) of %s parameters",
+            len(layout), [len(b) for b in layout],
+        )  # fmt: skip
+        return True
+
+    def _recording(self) -> bool:
+        # torch learns the order from the first backward that reduces bucket by bucket: the
+        # first one, or with static_graph the second (the first reduces everything at its end).
+        if self.rebuilt:
+            return False
+        return not self.static_graph or self.backwards == 1
