@@ -31,6 +31,8 @@ Run::
     python benchmarks/launch.py --quick         # 3 pairs, smoke run
     python benchmarks/launch.py --nproc 2 4 --no-floor   # without the no-launcher runs
     python benchmarks/launch.py --tandem-cmd "python -m torch.distributed.run"   # stub
+    python benchmarks/launch.py --elastic 1 --json benchmarks/results/launch_elastic.json
+                                                # both: --nnodes 1:2 c10d, a 1 s last call
 """
 
 from __future__ import annotations
@@ -65,7 +67,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _elastic_flags(last_call: float) -> list[str]:
+    """A one-node elastic job: ``--nnodes 1:2`` on the c10d rendezvous, for both launchers.
+
+    With one node of up to two, each waits the last call for the second: both get the same
+    ``last_call_timeout`` (torch's default is 30 s).
+    """
+    return [
+        "--nnodes", "1:2", "--rdzv-backend", "c10d",
+        "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", "--rdzv-id", f"bench{time.time_ns()}",
+        "--rdzv-conf", f"last_call_timeout={last_call:g}",
+    ]  # fmt: skip
+
+
 def _command(launcher: str, nproc: int, args: argparse.Namespace) -> list[str]:
+    if args.elastic is not None:
+        launch = args.tandem_cmd if launcher == "tandem" else TORCHRUN_CMD
+        return [*launch, "--nproc-per-node", str(nproc), *_elastic_flags(args.elastic), str(PROBE)]
     if launcher == "tandem":
         return [*args.tandem_cmd, "--nproc-per-node", str(nproc), str(PROBE)]
     if args.torchrun_rdzv == "standalone":
@@ -168,6 +186,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--nproc", type=int, nargs="+", default=[2])
     parser.add_argument("--torchrun-rdzv", choices=["static", "standalone"], default="static")
     parser.add_argument(
+        "--elastic",
+        type=float,
+        default=None,
+        metavar="LAST_CALL_S",
+        help="both launchers run a one-node --nnodes 1:2 c10d job with this last_call_timeout",
+    )
+    parser.add_argument(
         "--tandem-cmd",
         type=shlex.split,
         default=TANDEM_CMD,
@@ -203,7 +228,11 @@ def main(argv: list[str] | None = None) -> dict:
         "pairs": args.pairs,
         "tandem_cmd": shlex.join(args.tandem_cmd),
         "torchrun_rdzv": (
-            "--standalone" if args.torchrun_rdzv == "standalone" else "static, --master-port free"
+            f"both: --nnodes 1:2 c10d, last_call_timeout={args.elastic:g}"
+            if args.elastic is not None
+            else "--standalone"
+            if args.torchrun_rdzv == "standalone"
+            else "static, --master-port free"
         ),
         "backend": "gloo",
         # a shared machine: what else ran during the measurement
