@@ -7,7 +7,9 @@ to norm 1 over all ranks, AdamW over the example's parameter groups, warm-up + c
 every step. The loop is what a user writes over the Trainer's own engine
 (``tandem.parallel.engine.make_engine``, so tandem.DDP on both sides) with the same
 ``tandem.data.DistributedSampler`` and DataLoader batch size; the two see the same batches in
-the same order.
+the same order. Like the Trainer with its default ``log_every=10``, the loop logs the loss
+averaged over all ranks every 10 steps (one all-reduce, rank 0 writes a line;
+``--loop-log-every 0``: a loop that logs nothing).
 
 One round is one epoch of ``--steps`` optimizer steps: for the Trainer a
 ``train(max_epochs=k)`` call, for the loop one pass over its loader. Both call the training
@@ -148,6 +150,8 @@ class Loop:
         self.profile = cProfile.Profile() if args.profile else None
         self.clock = StepClock(args.accum, args.steps, None)
         self.epoch = 0
+        self.log_every = args.loop_log_every
+        self.log = io.StringIO()  # rank 0's log lines (a file's write, without the disk)
 
     def round(self) -> tuple[float, float]:
         """Train one epoch; this rank's wall and CPU seconds per optimizer step."""
@@ -155,6 +159,8 @@ class Loop:
         model = engine.model
         model.train()
         self.sampler.set_epoch(self.epoch)
+        window = torch.zeros(2, dtype=torch.float64)  # loss sum and micro-batches since the log
+        steps = 0
         for i, batch in enumerate(self.loader):
             last = (i + 1) % accum == 0
             # Micro-batches before a step's last sum their gradients locally: one all-reduce.
@@ -163,11 +169,20 @@ class Loop:
                     loss = self.clock.step(model, batch)["loss"]
                 # The mean over the step's micro-batches, as one big batch's gradient.
                 (loss * (1 / accum)).backward()
+            if self.log_every:
+                window += torch.tensor([loss.item(), 1.0], dtype=torch.float64)
             if last:
                 engine.clip_grad_norm_(CLIP)
                 engine.optimizer.step()
                 engine.optimizer.zero_grad()
                 self.scheduler.step()
+                steps += 1
+                if self.log_every and steps % self.log_every == 0:
+                    # The mean loss over all ranks, logged by rank 0: what a loop that logs does.
+                    dist.all_reduce(window)
+                    if dist.get_rank() == 0:
+                        print(f"step {steps} loss {window[0] / window[1]:.4f}", file=self.log)
+                    window.zero_()
         self.epoch += 1
         return self.clock.take()
 
@@ -285,6 +300,13 @@ def main(argv: list[str] | None = None) -> dict:
         default=1,
         help="the Trainer's check_every (its request agreement: one all-reduce every N steps)",
     )
+    parser.add_argument(
+        "--loop-log-every",
+        type=int,
+        default=10,
+        help="the loop logs the loss averaged over ranks every N steps, as the Trainer's "
+        "default log_every does (0: it logs nothing)",
+    )
     parser.add_argument("--json", type=Path, default=RESULTS / "trainer_overhead.json")
     parser.add_argument("--profile", action="store_true", help="cProfile rank 0's steps")
     parser.add_argument("--profile-lines", type=int, default=40)
@@ -315,6 +337,7 @@ def main(argv: list[str] | None = None) -> dict:
         "batch_per_rank": args.batch,
         "grad_accum_steps": args.accum,
         "trainer_check_every": args.check_every,
+        "loop_log_every": args.loop_log_every,
         "model": {"block": args.block, "dim": args.dim, "layers": args.layers,
                   "heads": args.heads},
         "recipe": "bf16-mixed, clip 1.0, AdamW, warm-up + cosine per step",
@@ -327,7 +350,8 @@ def main(argv: list[str] | None = None) -> dict:
     print(
         f"Trainer overhead, {meta['world']} ranks, gloo, {meta['device']}, {args.pairs} pairs x "
         f"{args.steps} steps (median ms per optimizer step; batch {args.batch} x {args.accum} "
-        f"accumulated per rank, bf16-mixed, clipping; Trainer check_every={args.check_every})"
+        f"accumulated per rank, bf16-mixed, clipping; Trainer check_every={args.check_every}, "
+        f"loop logging every {args.loop_log_every or 'never'})"
     )
     print(
         "| model | params | Trainer wall | loop wall | Trainer/loop wall | Trainer CPU | "

@@ -178,3 +178,56 @@ def test_missing_explicit_checkpoint_is_a_checkpoint_error(tmp_path):
     with pytest.raises(CheckpointError, match=str(tmp_path / "nope.pt")):
         _trainer(tmp_path, resume=str(tmp_path / "nope.pt"))
     assert not Path(tmp_path / "metrics.jsonl").exists()
+
+
+class _StopsOnOneRank(Trainer):
+    """Rank 1 calls request_stop() in step 3, before its backward."""
+
+    def _run_batch(self, *args, **kwargs) -> None:
+        if self.world.rank == 1 and self.state.step == 2:  # two steps done: step 3 runs
+            self.request_stop()
+        super()._run_batch(*args, **kwargs)
+
+
+def _requests_between_log_steps(run_dir: str, sharded: bool) -> dict:
+    from tandem.doctor import records
+
+    train_set, _ = _data()
+    model = _model()
+    if sharded:
+        model = tandem.FullyShardedDataParallel(model, stage=3, auto_wrap={nn.Linear})
+    trainer = _StopsOnOneRank(
+        model,
+        lambda params: torch.optim.SGD(params, lr=0.1),
+        train_set,
+        loss_fn=F.cross_entropy,
+        run_dir=run_dir,
+        progress=False,
+        batch_size=4,
+        log_every=5,
+        max_steps=9,
+    )
+    before = len(records.recent())
+    summary = trainer.train()
+    done = records.recent()[before:]
+    return {
+        "riding": trainer.state.requests.riding,
+        "steps": summary.steps,
+        "stopped_by": summary.stopped_by,
+        # the Trainer's own background agreements, one per step that is no log step
+        "sent": sum(r.context == "Trainer step agreement" for r in done),
+        # tandem.DDP's end-of-backward check: its count, and the 3 request counts riding on it
+        "check_sizes": {r.shapes for r in done if r.context == "DDP end-of-backward check"},
+    }
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["ddp", "fsdp3"])
+def test_requests_cost_no_collective_of_their_own_with_ddp(tmp_path, sharded):
+    results = run_ranks(_requests_between_log_steps, 2, args=(str(tmp_path), sharded))
+    # Requested on rank 1 during step 3, acted on by both after step 4 (read one step later).
+    assert [(r["steps"], r["stopped_by"]) for r in results] == [(4, "request_stop()")] * 2
+    for r in results:
+        if sharded:  # FSDP has no per-step collective to carry them: sent at steps 1, 2, 3
+            assert (r["riding"], r["sent"], r["check_sizes"]) == (False, 3, set())
+        else:  # in DDP's end-of-backward all-reduce: 1 + 3 counts, nothing else sent
+            assert (r["riding"], r["sent"], r["check_sizes"]) == (True, 0, {((4,),)})

@@ -12,6 +12,11 @@ On a GPU, reading the count at once would make the CPU wait for the GPU every st
 copied to host memory in the background and read at the next forward, unless the used map is
 needed now.
 
+A :class:`Rider` may add a few counts of its own to the same all-reduce, so that they cost no
+collective of their own: the Trainer's stop and checkpoint requests ride here every step. The
+rider's values are taken at launch and their sums delivered once read (on a GPU, at the next
+forward).
+
 Example::
 
     agreement = Agreement(names, group, device, wait=reducer.wait)
@@ -22,13 +27,25 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 from tandem._dist import gather_objects, group_size
 from tandem.doctor import records
+
+
+class Rider(Protocol):
+    """Counts that travel in the end-of-backward all-reduce (same number on every rank)."""
+
+    def values(self) -> list[int]:
+        """This rank's counts, taken now (called at launch, on every rank)."""
+        ...
+
+    def deliver(self, sums: list[int]) -> None:
+        """The counts summed over ranks (called once the all-reduce is read)."""
+        ...
 
 
 class UnusedParametersError(RuntimeError):
@@ -54,6 +71,8 @@ class Agreement:
         self._host: torch.Tensor | None = None
         self._event: Any = None
         self._missing: list[int] = []
+        self.rider: Rider | None = None
+        self._riding = 0  # how many of the launched counts are the rider's (the last ones)
 
     @property
     def launched(self) -> bool:
@@ -63,6 +82,9 @@ class Agreement:
     def launch(self, missing: int, used: Sequence[bool] | None) -> None:
         """Issue the all-reduce: how many gradients this rank missed, and its used map."""
         values = [missing] + ([int(u) for u in used] if used is not None else [])
+        extra = self.rider.values() if self.rider is not None else []
+        self._riding = len(extra)
+        values += extra
         self.counts = torch.tensor(values, dtype=torch.int32, device=self.device)
         if group_size(self.group) > 1:
             with records.tagged("DDP end-of-backward check"):
@@ -74,14 +96,20 @@ class Agreement:
         self.work = None
         if work is not None:
             self.wait(work, "end-of-backward check")
+        riding = self._riding
         if counts.device.type == "cpu" or want_used:
             values = counts.tolist()
+            if riding:
+                self._deliver(values[-riding:])
+                values = values[:-riding]
             if values[0] != 0:
                 self._raise(missing)
             return [bool(u) for u in values[1:]] if want_used else None
-        if self._host is None:
-            self._host = torch.zeros(1, dtype=counts.dtype, pin_memory=True)
-        self._host.copy_(counts[:1], non_blocking=True)
+        # Only the missing count, and the rider's, come back (the used map is not wanted).
+        wanted = torch.cat([counts[:1], counts[len(counts) - riding :]]) if riding else counts[:1]
+        if self._host is None or self._host.numel() != wanted.numel():
+            self._host = torch.zeros(wanted.numel(), dtype=counts.dtype, pin_memory=True)
+        self._host.copy_(wanted, non_blocking=True)
         self._event = torch.cuda.Event()
         self._event.record()
         self._missing = missing
@@ -93,8 +121,16 @@ class Agreement:
             return
         self._event.synchronize()
         self._event = None
-        if self._host is not None and self._host.item() != 0:
+        assert self._host is not None
+        values = self._host.tolist()
+        if len(values) > 1:
+            self._deliver(values[1:])
+        if values[0] != 0:
             self._raise(self._missing)
+
+    def _deliver(self, sums: list[int]) -> None:
+        if self.rider is not None:
+            self.rider.deliver(sums)
 
     def _raise(self, missing: list[int]) -> None:
         per_rank = gather_objects([self.names[i] for i in missing], self.group)

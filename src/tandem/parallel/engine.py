@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from tandem._dist import group_rank, group_size
+from tandem.parallel.agreement import Rider
 from tandem.parallel.ddp import DistributedDataParallel
 from tandem.parallel.dp import DataParallel
 from tandem.parallel.fsdp import FullyShardedDataParallel
@@ -103,6 +104,14 @@ class Engine(ABC):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Load what :meth:`state_dict` gave, before the first forward (every rank)."""
 
+    def carry(self, rider: Rider) -> bool:
+        """Let ``rider``'s counts travel in a collective the engine issues every step anyway.
+
+        True if the engine does (tandem.DDP: its end-of-backward all-reduce); False: the
+        caller sends them itself.
+        """
+        return False
+
     @abstractmethod
     def plain_weights(self, to: int = 0) -> dict[str, torch.Tensor] | None:
         """The user's module's ``state_dict()``, whole, on rank ``to``; None on the others.
@@ -132,6 +141,12 @@ class ReplicatedEngine(Engine):
         self.has_shards = isinstance(optimizer, ShardedOptimizer)
         # tandem.DDP's bucket order (its reducer), when the model is wrapped in one.
         self._reducer = reducer
+
+    def carry(self, rider: Rider) -> bool:
+        if self._reducer is None:
+            return False
+        self._reducer.agreement.rider = rider
+        return True
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         no_sync = getattr(self.model, "no_sync", None)

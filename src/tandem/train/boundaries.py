@@ -73,14 +73,16 @@ class Boundaries(TrainerBase):
     def _step_boundary(self, plan: RunPlan) -> Agreement | None:
         """After an optimizer step inside an epoch; the agreement acted on here, if any.
 
-        The agreement sent at the previous boundary is read here and acted on (a stop or a
-        save); a log step also agrees at once, as its record needs this step's sums; the other
-        steps the plan checks at send theirs in the background, to be read at the next one.
+        What the ranks agreed for this boundary is acted on here (a stop or a save): the
+        requests an earlier step's backward carried, or the agreement sent at the previous one;
+        a log step also agrees at once, as its record needs this step's sums; without an engine
+        that carries them, the other steps the plan checks send theirs in the background, to be
+        read at the next one.
         """
         run = self.state
         agreed = run.requests.collect()
         loss, rate = None, None
-        if agreed is not None:  # the loss as it stood at the previous step: for the bar
+        if agreed is not None and agreed.sums:  # the loss at the previous step: for the bar
             total, count, seconds = agreed.sums[:3]
             loss = total / count if count else None
             rate = count / seconds if seconds > 0 else None
@@ -93,6 +95,7 @@ class Boundaries(TrainerBase):
             rate = count / run.epoch_seconds if run.epoch_seconds > 0 else None
         elif (
             plan.agrees_at(run.step)
+            and not run.requests.riding  # the engine's collective carried them already
             and not (agreed is not None and agreed.stop)
             and not plan.finished(epoch=run.epoch, step=run.step)
         ):
@@ -115,7 +118,7 @@ class Boundaries(TrainerBase):
         """The epoch's last step boundary: its record and evaluation, the step's log, the save;
         the agreement if it stops the run, else None."""
         run = self.state
-        sent = run.requests.collect()
+        sent = run.requests.collect(everything=True)
         agreed = run.requests.agree([*run.epoch_loss, *self.log.window.sums()])
         total, count = agreed.sums[:2]
         agreed = agreed if sent is None else sent.then(agreed)

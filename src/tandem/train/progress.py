@@ -91,6 +91,7 @@ class Progress:
         self._bar: Any = None
         self._width = terminal_width() if enabled else 0
         self._bar_cls = _tqdm() if self._width != 0 else None
+        self._shown: dict[str, str] = {}  # the latest loss and samples/s
 
     def start_epoch(self, epoch: int, max_epochs: int | None, batches: int, done: int) -> None:
         """Epoch ``epoch`` (counted from 1) begins, ``done`` of its ``batches`` already run."""
@@ -122,14 +123,15 @@ class Progress:
         self.step += steps
         self._done_here += steps
         self._batch = batch
+        # A step that brings no new figure keeps the last ones shown.
+        if loss is not None:
+            self._shown["loss"] = f"{loss:.4f}"
+        if samples_per_s is not None:
+            self._shown["samples/s"] = f"{samples_per_s:.0f}"
         now = time.monotonic()
         if not self.enabled or (self._bar is None and now - self._logged < LOG_INTERVAL_S):
             return
-        shown = {}
-        if loss is not None:
-            shown["loss"] = f"{loss:.4f}"
-        if samples_per_s is not None:
-            shown["samples/s"] = f"{samples_per_s:.0f}"
+        shown = dict(self._shown)
         if self._bar is not None:
             self._bar.set_postfix(shown, refresh=False)
             self._bar.update(steps)  # tqdm redraws at most every mininterval

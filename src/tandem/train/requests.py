@@ -6,10 +6,14 @@ at once would save a different step than the others or wait alone in a collectiv
 request only sets a local flag; at step boundaries every rank sends its flags through one tiny
 all-reduce, and every rank then sees the same sums and takes the same action at the same step.
 
-The all-reduce is either waited for at once (:meth:`Requests.agree`: the log steps and the
-epoch's end, which need the sums now) or sent in the background (:meth:`Requests.send`) and read
-at the next step boundary (:meth:`Requests.collect`), so that no step waits on it: a request
-made during step k is then acted on at step k + 1's boundary, by every rank alike.
+The all-reduce is waited for at once at the log steps and the epoch's end, which need the sums
+now (:meth:`Requests.agree`). Between them the requests cost no wait: with tandem.DDP they ride
+in the engine's own end-of-backward all-reduce (this object is its
+:class:`tandem.parallel.agreement.Rider`); with the other engines they are sent in the
+background at a step boundary (:meth:`Requests.send`). Either way the result is acted on at the
+next step boundary (:meth:`Requests.collect`), whichever engine runs: a request made during
+step k (before its backward) is acted on after step k + 1, by every rank alike (on a GPU, where
+tandem.DDP reads its count at the next forward, after step k + 2).
 
 - SIGTERM (a scheduler's preemption, ``tandem run`` stopping): save, then stop cleanly.
 - SIGUSR1 (``tandem run`` forwards it; SLURM's ``--signal``): save and carry on.
@@ -64,6 +68,11 @@ class Requests:
         self._stops_by_call = 0
         self._stops_by_signal = 0
         self._pending: Callable[[], Agreement] | None = None
+        # Summed by a collective the engine issued: delivered during a step, acted on at the
+        # boundary after the next (as a background send's), then ready.
+        self._delivered: Agreement | None = None
+        self._ready: Agreement | None = None
+        self.riding = False  # the engine carries the requests (Trainer: engine.carry(self))
 
     def checkpoint(self) -> None:
         """Ask for a checkpoint at the next agreement; training continues."""
@@ -118,15 +127,40 @@ class Requests:
         assert self._pending is None, "collect() the agreement sent before sending another"
         self._pending = self._start(extra)
 
-    def collect(self) -> Agreement | None:
-        """The agreement :meth:`send` started (waiting for it if it is still in flight), or
-        None if none was sent since the last collect."""
+    def collect(self, everything: bool = False) -> Agreement | None:
+        """What the ranks agreed for this boundary, None if nothing: the agreement :meth:`send`
+        started at the previous one (waited for if still in flight), and what the engine
+        delivered before the previous one. ``everything``: also what it delivered since (the
+        epoch's end, where the run may stop)."""
         pending, self._pending = self._pending, None
-        return pending() if pending is not None else None
+        agreed, self._ready, self._delivered = self._ready, self._delivered, None
+        if everything and self._ready is not None:
+            agreed = self._ready if agreed is None else agreed.then(self._ready)
+            self._ready = None
+        if pending is not None:
+            sent = pending()
+            agreed = sent if agreed is None else agreed.then(sent)
+        return agreed
 
     def discard(self) -> None:
-        """Forget a sent agreement (a run that ended with an error): its requests are lost."""
-        self._pending = None
+        """Forget what was sent or delivered (a run that ended with an error)."""
+        self._pending = self._delivered = self._ready = None
+
+    # -- as the engine's rider (tandem.parallel.agreement.Rider) ------------------------------
+
+    def values(self) -> list[int]:
+        """The requests since the last send, taken off (they are on their way)."""
+        sent = [self._checkpoints, self._stops_by_call, self._stops_by_signal]
+        self._checkpoints -= sent[0]
+        self._stops_by_call -= sent[1]
+        self._stops_by_signal -= sent[2]
+        return sent
+
+    def deliver(self, sums: list[int]) -> None:
+        """Every rank's requests, summed: kept for the next :meth:`collect`."""
+        checkpoints, by_call, by_signal = sums
+        agreed = _decided(checkpoints, by_call, by_signal, sums=[])
+        self._delivered = agreed if self._delivered is None else self._delivered.then(agreed)
 
     def _start(self, extra: Sequence[float]) -> Callable[[], Agreement]:
         sent = (self._checkpoints, self._stops_by_call, self._stops_by_signal)
@@ -138,8 +172,12 @@ class Requests:
 
         def agreement() -> Agreement:
             checkpoints, by_call, by_signal, *sums = result()
-            stop = by_call + by_signal > 0
-            reason = None if not stop else (STOP_SIGNAL.name if by_signal else "request_stop()")
-            return Agreement(save=stop or checkpoints > 0, stop=stop, reason=reason, sums=sums)
+            return _decided(checkpoints, by_call, by_signal, sums=sums)
 
         return agreement
+
+
+def _decided(checkpoints: float, by_call: float, by_signal: float, sums: list[float]) -> Agreement:
+    stop = by_call + by_signal > 0
+    reason = None if not stop else (STOP_SIGNAL.name if by_signal else "request_stop()")
+    return Agreement(save=stop or checkpoints > 0, stop=stop, reason=reason, sums=sums)

@@ -310,6 +310,9 @@ class Trainer(Boundaries):
             batch_size=batch_size,
             grad_accum_steps=grad_accum_steps,
         )
+        # Stop and checkpoint requests ride in the engine's own per-step all-reduce where it
+        # has one (tandem.DDP): no collective of their own between log steps.
+        self.state.requests.riding = self.engine.carry(self.state.requests)
         self.log = RunLog(self.run_dir, logger_args, main=self.world.is_main)
         self._lr: float | None = None  # of the last optimizer step, for the step log
         if resume is not None:
