@@ -153,11 +153,12 @@ class Trainer(Boundaries):
             saved generators (with workers, see :mod:`tandem.train.loaders`).
         collate_fn: makes a batch of a list of samples (both loaders), as a DataLoader's.
         keep_checkpoints: how many checkpoints to keep.
-        check_every: agree on stop/save requests every this many optimizer steps (one small
-            all-reduce), besides every log step and every epoch's end. Between log steps it
-            runs in the background, overlapped with the next step, and is read at the next
-            step boundary: with 1 (the default) a SIGTERM/SIGUSR1 or request during step k is
-            acted on after step k + 1 (after step k at a log step), on every rank alike.
+        check_every: agree on stop/save requests every this many optimizer steps, besides
+            every log step and every epoch's end. With tandem.DDP the requests ride in the
+            engine's own end-of-backward all-reduce every step (this setting then does not
+            matter); otherwise one small all-reduce is sent in the background. Either way the
+            result is read at the next step boundary: a SIGTERM/SIGUSR1 or request during step
+            k is acted on after step k + 1, on every rank alike.
         progress: draw rank 0's progress bar (periodic lines off a terminal).
         ddp_kwargs: extra arguments for :class:`tandem.DDP` (``find_unused_parameters``, ...).
         checkpoint_format: ``"full"`` (rank 0 writes one file, gathered, loadable at any world
