@@ -50,6 +50,8 @@ FATAL_KEY = PREFIX + "fatal"
 #: The store this process met its job in (the last :func:`meet` that succeeded), or None.
 joined: Any = None
 _POLL_S = 0.01
+# How long past its own timeout torch's store client may still be retrying (its last back-off).
+_CLIENT_BACKOFF_S = 3.0
 
 
 class RendezvousError(RuntimeError):
@@ -236,6 +238,12 @@ def _connect(host: str, port: int, deadline: float) -> Any:
     thread = threading.Thread(target=attempt, name="tandem-store-connect", daemon=True)
     thread.start()
     thread.join(max(deadline - time.monotonic(), 1.0) + 1.0)
+    if thread.is_alive():
+        # A client that keeps retrying (the program answers, wrongly) ends by itself, one
+        # back-off (up to about 2 s) past its timeout: let it, so that no thread is inside
+        # torch's C++ when this process exits (it would abort: "terminate called"). One that
+        # waits on a silent program never ends; it stays blocked, harmlessly, at exit.
+        thread.join(_CLIENT_BACKOFF_S)
     if "store" in outcome:
         return outcome["store"]
     why = f" ({str(outcome['error']).splitlines()[0]})" if "error" in outcome else ""
