@@ -1,6 +1,6 @@
 """A hand-written training loop for the elastic tests, run by `tandem run` on every node.
 
-    python elastic_worker.py CKPT_DIR STEPS [--tag TAG] [--idle]
+    python elastic_worker.py CKPT_DIR STEPS [--tag TAG] [--idle | --trainer]
 
 Every rank trains one seeded linear model with ``tandem.DDP``; every few steps the ranks save
 ``tandem.checkpoint.save`` to ``CKPT_DIR/step-NNNNN.pt``, a new file each time (a crash while one
@@ -12,8 +12,10 @@ prints::
 
 then ``STEP s world W`` after each step and ``DONE world W step S`` at the end. ``--idle``: on
 the job's first round the ranks sleep without communicating (only the launchers' beats can
-tell them that a node was lost); later rounds train as usual. ``--tag`` only marks the command
-line, for the tests' orphan check.
+tell them that a node was lost); later rounds train as usual. ``--trainer``: the same run
+through ``tandem.Trainer`` (``max_steps=STEPS``, a checkpoint every 4 steps, ``resume="latest"``
+in ``CKPT_DIR``), which resumes at the new world size with the epoch's remaining samples.
+``--tag`` only marks the command line, for the tests' orphan check.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.utils.data import TensorDataset
 
 import tandem
 import tandem.checkpoint
@@ -41,12 +44,49 @@ def newest_checkpoint(directory: Path) -> Path | None:
     return committed[-1] if committed else None
 
 
+def train_with_trainer(
+    args: argparse.Namespace, w: tandem.World, restart: str, round_: str
+) -> None:
+    """The run through tandem.Trainer: it checkpoints and resumes by itself."""
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(256, 4), torch.randn(256, 1))
+
+    def loss_fn(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if w.rank == 0:  # the step about to be taken, whose predecessors are done (and saved)
+            print(f"STEP {trainer.step + 1} world {w.world_size}", flush=True)
+        time.sleep(STEP_SLEEP_S)
+        return nn.functional.mse_loss(outputs, targets)
+
+    trainer = tandem.Trainer(
+        nn.Linear(4, 1),
+        lambda params: torch.optim.SGD(params, lr=0.01),
+        data,
+        loss_fn=loss_fn,
+        batch_size=4,
+        max_steps=args.steps,
+        save_every_steps=SAVE_EVERY,
+        run_dir=args.ckpt_dir,
+        resume="latest",
+        progress=False,
+    )
+    if w.rank == 0:
+        print(
+            f"RESUMED world {w.world_size} step {trainer.step} restart {restart} round {round_}",
+            flush=True,
+        )
+    summary = trainer.train()
+    if w.rank == 0:
+        print(f"DONE world {w.world_size} step {summary.steps}", flush=True)
+    tandem.shutdown()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("ckpt_dir", type=Path)
     parser.add_argument("steps", type=int)
     parser.add_argument("--tag", default="")
     parser.add_argument("--idle", action="store_true")
+    parser.add_argument("--trainer", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
     w = tandem.init()
@@ -55,6 +95,9 @@ def main() -> None:
     if args.idle and round_ == "0":
         print(f"IDLE world {w.world_size}", flush=True)
         time.sleep(120)
+    if args.trainer:
+        train_with_trainer(args, w, restart, round_)
+        return
     torch.manual_seed(0)
     model = tandem.DDP(nn.Linear(4, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)

@@ -202,14 +202,17 @@ def _resumed(text: str) -> list[tuple[int, int, int, int]]:
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("idle", [False, True], ids=["training", "idle-workers"])
-def test_a_node_killed_mid_run_and_node_0_reforms_alone_and_resumes(nodes, tmp_path, idle):
+@pytest.mark.parametrize("mode", ["training", "idle-workers", "trainer"])
+def test_a_node_killed_mid_run_and_node_0_reforms_alone_and_resumes(nodes, tmp_path, mode):
     """``training``: node 1's workers die with its launcher, node 0's collectives fail.
-    ``idle``: node 0's workers are asleep, not communicating: only the lost beat tells."""
+    ``idle-workers``: node 0's workers are asleep, not communicating: only the lost beat tells.
+    ``trainer``: as ``training``, through tandem.Trainer's own checkpoints and resume."""
     node0, node1 = nodes
     tag = f"elastic-{uuid.uuid4().hex[:8]}"
     ckpt = tmp_path / "ckpt"
-    argv = [str(WORKER), str(ckpt), str(STEPS), *(["--idle"] if idle else [])]
+    idle = mode == "idle-workers"
+    flags = {"training": [], "idle-workers": ["--idle"], "trainer": ["--trainer"]}[mode]
+    argv = [str(WORKER), str(ckpt), str(STEPS), *flags]
     launches = [
         Launch(node0, 0, node0, tmp_path / "node0.log", [*argv, "--tag", f"{tag}-n0"]),
         Launch(node1, 1, node0, tmp_path / "node1.log", [*argv, "--tag", f"{tag}-n1"]),
