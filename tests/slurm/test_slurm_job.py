@@ -195,6 +195,23 @@ def _bin_with_tandem(tmp_path: Path, body: str) -> Path:
     return bin_dir
 
 
+REAL_TANDEM = "from tandem.cli import main\nsys.exit(main())\n"
+
+
+def _submit_printed_script(tmp_path: Path, tandem: str, **options) -> Job:
+    """Submit ``tandem slurm``'s script for one node of 2 processes (``options`` added to
+    build_sbatch_script's), with a ``tandem`` on PATH that runs ``tandem`` (REAL_TANDEM: the
+    real ``tandem run``, with this interpreter)."""
+    bin_dir = _bin_with_tandem(tmp_path, tandem)
+    script = tmp_path / "job.sh"
+    options = {"cpus_per_task": 1, **options}
+    script.write_text(
+        build_sbatch_script(nodes=1, gpus_per_node=0, nproc_per_node=2, time="00:05:00", **options)
+    )
+    env = _job_environment(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    return Job(script, tmp_path / "out.txt", env)
+
+
 def test_srun_ranks_train_in_step_without_launcher(tmp_path):
     script = tmp_path / "job.sh"
     command = shlex.join([sys.executable, str(REPO / "tests" / "slurm" / "train_job.py")])
@@ -217,22 +234,12 @@ def test_srun_ranks_train_in_step_without_launcher(tmp_path):
 
 def test_printed_script_trains_through_tandem_run(tmp_path):
     # The real `tandem run`, through a `tandem` on PATH that uses this interpreter.
-    bin_dir = _bin_with_tandem(tmp_path, "from tandem.cli import main\nsys.exit(main())\n")
-    script = tmp_path / "job.sh"
-    script.write_text(
-        build_sbatch_script(
-            nodes=1,
-            gpus_per_node=0,
-            nproc_per_node=2,
-            cpus_per_task=1,
-            time="00:05:00",
-            job_name="tandem-test-run",
-            script_args=[str(REPO / "tests" / "slurm" / "train_job.py")],
-        )
+    job = _submit_printed_script(
+        tmp_path,
+        REAL_TANDEM,
+        job_name="tandem-test-run",
+        script_args=[str(REPO / "tests" / "slurm" / "train_job.py")],
     )
-    env = _job_environment(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
-
-    job = Job(script, tmp_path / "out.txt", env)
 
     _assert_trained_together(_rank_reports(job.finish()))
 
@@ -240,8 +247,7 @@ def test_printed_script_trains_through_tandem_run(tmp_path):
 def test_printed_script_runs_tandem_run_per_node_and_requeues(tmp_path):
     # A stand-in `tandem` on PATH: it reports what the script ran it with and where
     # node_placement_from_slurm puts it, then waits for the requeue on the first attempt only.
-    bin_dir = _bin_with_tandem(
-        tmp_path,
+    stand_in = (
         "from tandem.launch.slurm_node import node_placement_from_slurm\n"
         "attempt = os.environ.get('SLURM_RESTART_COUNT', '0')\n"
         "print('TANDEM', attempt, repr(sys.argv[1:]), repr(node_placement_from_slurm(os.environ)),"
@@ -249,26 +255,17 @@ def test_printed_script_runs_tandem_run_per_node_and_requeues(tmp_path):
         "import signal\n"
         "signal.signal(signal.SIGUSR1, lambda *_: print('TANDEM got USR1', flush=True))\n"
         "if attempt == '0':\n"
-        "    time.sleep(120)\n",
+        "    time.sleep(120)\n"
     )
     script_args = ["train.py", "--note", "two words", "it's", "$HOME", "a;b", '"q"']
-    script = tmp_path / "job.sh"
-    script.write_text(
-        build_sbatch_script(
-            nodes=1,
-            gpus_per_node=0,
-            nproc_per_node=2,
-            cpus_per_task=1,
-            time="00:05:00",
-            job_name="tandem-test-requeue",
-            script_args=script_args,
-            # The requeue follows half the lead after the signal: 2 s, not 45.
-            signal="USR1@4",
-        )
+    job = _submit_printed_script(
+        tmp_path,
+        stand_in,
+        job_name="tandem-test-requeue",
+        script_args=script_args,
+        # The requeue follows half the lead after the signal: 2 s, not 45.
+        signal="USR1@4",
     )
-    env = _job_environment(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
-
-    job = Job(script, tmp_path / "out.txt", env)
     job.wait_for(lambda: "TANDEM\t0\t" in job.log(), "the first attempt to start")
     # What Slurm does 4 s before the limit (--signal=B:USR1@4), without waiting for it.
     subprocess.run(["scancel", "--batch", "--signal=USR1", str(job.id)], check=True)
@@ -287,27 +284,18 @@ def test_printed_script_runs_tandem_run_per_node_and_requeues(tmp_path):
 
 
 def test_requeued_trainer_job_resumes_from_its_checkpoint(tmp_path):
-    bin_dir = _bin_with_tandem(tmp_path, "from tandem.cli import main\nsys.exit(main())\n")
     run_dir = tmp_path / "run"
-    script = tmp_path / "job.sh"
-    script.write_text(
-        build_sbatch_script(
-            nodes=1,
-            gpus_per_node=0,
-            nproc_per_node=2,
-            cpus_per_task=2,
-            time="00:05:00",
-            job_name="tandem-test-preempt",
-            requeue=True,
-            mem="1G",
-            exclusive=True,
-            sbatch=["--comment=tandem-test"],
-            script_args=[str(REPO / "tests" / "slurm" / "trainer_job.py"), str(run_dir)],
-        )
+    job = _submit_printed_script(
+        tmp_path,
+        REAL_TANDEM,
+        cpus_per_task=2,
+        job_name="tandem-test-preempt",
+        requeue=True,
+        mem="1G",
+        exclusive=True,
+        sbatch=["--comment=tandem-test"],
+        script_args=[str(REPO / "tests" / "slurm" / "trainer_job.py"), str(run_dir)],
     )
-    env = _job_environment(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
-
-    job = Job(script, tmp_path / "out.txt", env)
     latest = run_dir / "checkpoints" / "latest"
     job.wait_for(latest.exists, "the first checkpoint")
     # What a preemption with PreemptMode=REQUEUE (or an admin) does to a running job.
@@ -328,32 +316,23 @@ def test_requeued_trainer_job_resumes_from_its_checkpoint(tmp_path):
 
 
 def test_signal_before_the_limit_checkpoints_the_workers_then_requeues(tmp_path):
-    bin_dir = _bin_with_tandem(tmp_path, "from tandem.cli import main\nsys.exit(main())\n")
     run_dir = tmp_path / "run"
     epochs = 8  # about a second each: training goes on for the 2 s before the requeue
-    script = tmp_path / "job.sh"
-    script.write_text(
-        build_sbatch_script(
-            nodes=1,
-            gpus_per_node=0,
-            nproc_per_node=2,
-            cpus_per_task=2,
-            time="00:05:00",
-            job_name="tandem-test-signal",
-            # The requeue follows half the lead after the signal: 2 s.
-            signal="USR1@4",
-            # No checkpoints but those the signals ask for.
-            script_args=[
-                str(REPO / "tests" / "slurm" / "trainer_job.py"),
-                str(run_dir),
-                str(epochs),
-                "1000",
-            ],
-        )
+    job = _submit_printed_script(
+        tmp_path,
+        REAL_TANDEM,
+        cpus_per_task=2,
+        job_name="tandem-test-signal",
+        # The requeue follows half the lead after the signal: 2 s.
+        signal="USR1@4",
+        # No checkpoints but those the signals ask for.
+        script_args=[
+            str(REPO / "tests" / "slurm" / "trainer_job.py"),
+            str(run_dir),
+            str(epochs),
+            "1000",
+        ],
     )
-    env = _job_environment(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
-
-    job = Job(script, tmp_path / "out.txt", env)
     job.wait_for(lambda: "epoch   1 " in job.log(), "the first epoch")
     # What Slurm does 4 s before the limit (--signal=B:USR1@4), without waiting for it.
     subprocess.run(["scancel", "--batch", "--signal=USR1", str(job.id)], check=True)
