@@ -149,7 +149,8 @@ class Requests:
     # -- as the engine's rider (tandem.parallel.agreement.Rider) ------------------------------
 
     def values(self) -> list[int]:
-        """The requests since the last send, taken off (they are on their way)."""
+        """The requests since the last send, taken off: they are on their way to every rank
+        and will be acted on."""
         sent = [self._checkpoints, self._stops_by_call, self._stops_by_signal]
         self._checkpoints -= sent[0]
         self._stops_by_call -= sent[1]
@@ -163,12 +164,7 @@ class Requests:
         self._delivered = agreed if self._delivered is None else self._delivered.then(agreed)
 
     def _start(self, extra: Sequence[float]) -> Callable[[], Agreement]:
-        sent = (self._checkpoints, self._stops_by_call, self._stops_by_signal)
-        result = start_sum_over_ranks([*sent, *extra])
-        # Sent requests are now on their way to every rank and will be acted on: take them off.
-        self._checkpoints -= sent[0]
-        self._stops_by_call -= sent[1]
-        self._stops_by_signal -= sent[2]
+        result = start_sum_over_ranks([*self.values(), *extra])
 
         def agreement() -> Agreement:
             checkpoints, by_call, by_signal, *sums = result()
