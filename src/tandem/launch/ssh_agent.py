@@ -25,7 +25,7 @@ import sys
 import threading
 from typing import IO
 
-from tandem.launch.supervisor import _in_own_group_dying_with_parent
+from tandem.launch.supervisor import in_own_group_dying_with_parent
 
 
 def listen(stdin: IO[str], launcher: subprocess.Popen[bytes], kill_after: float) -> None:
@@ -54,7 +54,7 @@ def main() -> int:
         stdin=subprocess.DEVNULL,
         # Its own session (a signal to the agent's group is not one to the job), and SIGKILL
         # when the agent dies: the launcher's workers then die with it.
-        preexec_fn=_in_own_group_dying_with_parent,
+        preexec_fn=in_own_group_dying_with_parent,
     )
     threading.Thread(
         target=listen, args=(sys.stdin, launcher, float(request["kill_after"])), daemon=True

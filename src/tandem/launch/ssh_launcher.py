@@ -48,7 +48,7 @@ from tandem.launch.failures import describe_exit
 from tandem.launch.relay import relay
 
 # One rule in one place: workers and ssh clients die with their launcher the same way.
-from tandem.launch.supervisor import _in_own_group_dying_with_parent
+from tandem.launch.supervisor import in_own_group_dying_with_parent
 
 if TYPE_CHECKING:  # hostfile.py imports this module to run the hosts
     from tandem.launch.hostfile import Host
@@ -181,7 +181,7 @@ class HostfileLauncher:
                 stderr=subprocess.PIPE,
                 # Out of the terminal's process group (Ctrl-C is ours to pass on), and killed
                 # with this launcher: its agent then reads EOF and stops the host's launcher.
-                preexec_fn=_in_own_group_dying_with_parent,
+                preexec_fn=in_own_group_dying_with_parent,
             )
             node = Node(rank, host, proc)
             request = {

@@ -115,7 +115,7 @@ class Worker:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             stdin=subprocess.DEVNULL,
-            preexec_fn=_in_own_group_dying_with_parent,
+            preexec_fn=in_own_group_dying_with_parent,
         )
         show = spec.shown(local_rank)
         prefix = f"[rank {self.rank}] " if spec.prefix else ""
@@ -362,9 +362,15 @@ def _say(message: str) -> None:
 _libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
 
 
-def _in_own_group_dying_with_parent() -> None:
-    # Runs in the child between fork and exec: its own process group, so that a signal to the
-    # worker reaches its children too; and SIGKILL when the launcher dies, so nothing outlives it.
+def in_own_group_dying_with_parent() -> None:
+    """``preexec_fn`` of every process a launcher starts (workers, ssh clients, a host's
+    launcher): a session and process group of its own, so that a signal to it reaches its
+    children too; and SIGKILL when its parent dies, so that nothing outlives the launcher.
+
+    Example::
+
+        subprocess.Popen(argv, preexec_fn=in_own_group_dying_with_parent)
+    """
     os.setsid()
     if _libc is not None:
         _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
