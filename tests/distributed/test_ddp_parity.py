@@ -9,7 +9,8 @@ Oracles:
   one, the division fused), a conv net with BatchNorm, a model whose branches sit out some
   steps (find_unused_parameters), gradient accumulation with no_sync, bf16 compression against
   torch's bf16_compress_hook, many small buckets, and gradient_as_bucket_view (small and large
-  gradients).
+  gradients); large gradients, which tandem hands over as views of its buckets, also with
+  ``zero_grad(set_to_none=False)`` and with no_sync (backward then accumulates into them).
 World sizes 2, 3 and 4 (3 splits the buffer unevenly in Gloo), real processes, Gloo.
 """
 
@@ -86,6 +87,8 @@ CASES = {
         {"find_unused_parameters": True},
     ),
     "no_sync": (models.mlp, (10,), {}, {}),
+    "wide_kept_grads": (models.wide, (10,), {}, {}),
+    "wide_no_sync": (models.wide, (10,), {}, {}),
     "many_buckets": (
         models.mlp,
         (10,),
@@ -121,8 +124,8 @@ def _torch_parity(case: str) -> dict:
     grads_none = []
     for step in range(STEPS):
         for model, opt in ((ours, opt_ours), (theirs, opt_theirs)):
-            opt.zero_grad()
-            micro = 3 if case == "no_sync" else 1
+            opt.zero_grad(set_to_none=case != "wide_kept_grads")
+            micro = 3 if case in ("no_sync", "wide_no_sync") else 1
             for m in range(micro):
                 x, y = models.batch(step * 10 + m, rank, PER_RANK, shape, dtype)
                 kwargs = {"use": _use_for(step, rank)} if case == "unused" else {}

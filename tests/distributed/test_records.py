@@ -1,8 +1,9 @@
 """Every collective is recorded (tandem.doctor.records), on every rank alike.
 
 - After tandem.DDP is built (or ``tandem.init()``), each collective leaves a record: tandem.DDP's
-  bucket all-reduces tagged ``DDP bucket k, step s``, its end-of-backward check, and the user's
-  own ``dist.all_reduce`` / ``dist.barrier`` with the line of this file that called them.
+  bucket all-reduces tagged ``DDP bucket k, step s`` (on the CPU its end-of-backward check rides
+  in the last bucket: no record of its own when no rank missed gradients), and the user's own
+  ``dist.all_reduce`` / ``dist.barrier`` with the line of this file that called them.
 - Records are numbered per group from 1; every rank's sequence of (group, number, op, shapes,
   dtypes) is the same; a subgroup counts on its own.
 - Blocking calls have ended when they return; an asynchronous one once its work is done.
@@ -55,7 +56,7 @@ def test_every_collective_is_recorded_alike_on_every_rank():
         recs = result["records"]
         contexts = [r["context"] for r in recs]
         assert "DDP bucket 0, step 1" in contexts and "DDP bucket 0, step 2" in contexts, contexts
-        assert "DDP end-of-backward check" in contexts, contexts
+        assert not any("end-of-backward" in (c or "") for c in contexts), contexts
         user = [r for r in recs if r["context"] is None and r["op"] == "all_reduce"]
         assert user[0]["site"] == f"test_records.py:{result['line']} in _train_and_talk", user
         assert user[0]["shapes"] == [[3]] and user[0]["dtypes"] == ["float64"], user[0]

@@ -217,7 +217,7 @@ def _requests_between_log_steps(run_dir: str, sharded: bool) -> dict:
         # the Trainer's own background agreements, one per step that is no log step
         "sent": sum(r.context == "Trainer step agreement" for r in done),
         # tandem.DDP's end-of-backward check: its count, and the 3 request counts riding on it
-        "check_sizes": {r.shapes for r in done if r.context == "DDP end-of-backward check"},
+        "checks": [r.shapes for r in done if r.context == "DDP end-of-backward check"],
     }
 
 
@@ -228,6 +228,9 @@ def test_requests_cost_no_collective_of_their_own_with_ddp(tmp_path, sharded):
     assert [(r["steps"], r["stopped_by"]) for r in results] == [(4, "request_stop()")] * 2
     for r in results:
         if sharded:  # FSDP has no per-step collective to carry them: sent at steps 1, 2, 3
-            assert (r["riding"], r["sent"], r["check_sizes"]) == (False, 3, set())
-        else:  # in DDP's end-of-backward all-reduce: 1 + 3 counts, nothing else sent
-            assert (r["riding"], r["sent"], r["check_sizes"]) == (True, 0, {((4,),)})
+            assert (r["riding"], r["sent"], r["checks"]) == (False, 3, [])
+        else:
+            # In DDP's end-of-backward check, which on the CPU rides in the last bucket: only
+            # step 3, whose bucket rank 1 marked, sums the counts (1 + 3 of them); nothing else
+            # is sent.
+            assert (r["riding"], r["sent"], r["checks"]) == (True, 0, [((4,),)])

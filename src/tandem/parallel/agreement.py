@@ -2,26 +2,36 @@
 
 A rank whose loss did not reach some parameter never gets their gradients. It still sends
 zeros in their place, so that no rank waits for a collective this one would never issue; but
-the mean is then wrong, and every rank must know. One small int32 all-reduce carries the count
-of missed gradients (and, with find_unused_parameters, which parameters were used anywhere).
-It is issued after every bucket's own collectives, so it is the same collective at the same
-place on every rank; a non-zero count raises :class:`UnusedParametersError` on every rank,
-naming each rank's parameters.
+the mean is then wrong, and every rank must know. A non-zero count of missed gradients raises
+:class:`UnusedParametersError` on every rank, naming each rank's parameters. How the count
+travels depends on the device:
 
-On a GPU, reading the count at once would make the CPU wait for the GPU every step: it is
-copied to host memory in the background and read at the next forward, unless the used map is
-needed now.
+- On the CPU (Gloo) a collective of its own costs more than the check is worth (about half a
+  millisecond of thread hand-offs per step, on a 2-core machine). The check rides in the last
+  bucket instead (:meth:`Agreement.mark`): a rank with something to say puts NaN in that
+  bucket's first element before its all-reduce, and since NaN plus anything is NaN, every rank
+  reads NaN there after the sum. Only then do the ranks sum their counts, in a collective of
+  its own, and sum that first element again from each rank's own value (:meth:`settle`): the
+  same sum, bit for bit, so a step that carried a request is the step it would have been. A
+  NaN gradient there comes out of the same two collectives unchanged.
+- On a GPU, reading that element would make the CPU wait for the GPU every step: one small
+  int32 all-reduce, issued after every bucket's own collectives, carries the count (and, with
+  find_unused_parameters, which parameters were used anywhere); it is copied to host memory in
+  the background and read at the next forward, unless the used map is needed now. The used map
+  (find_unused_parameters, static_graph's first step) takes this collective on the CPU too.
 
-A :class:`Rider` may add a few counts of its own to the same all-reduce, so that they cost no
-collective of their own: the Trainer's stop and checkpoint requests ride here every step. The
-rider's values are taken at launch and their sums delivered once read (on a GPU, at the next
-forward).
+A :class:`Rider` may add a few counts of its own, so that they cost no collective of their own:
+the Trainer's stop and checkpoint requests ride here every step. The rider's values are taken
+at launch (or at the mark) and their sums delivered once read (on a GPU, at the next forward).
 
 Example::
 
     agreement = Agreement(names, group, device, wait=reducer.wait)
     agreement.launch(missing=0, used=None)      # after the last bucket
     agreement.read(missing=[], want_used=False)  # at the end of backward
+
+    agreement.mark(last.flat, missing=0)         # on the CPU: before the last bucket's sum
+    agreement.settle(last.flat, missing=[])      # and once it is done
 """
 
 from __future__ import annotations
@@ -73,6 +83,9 @@ class Agreement:
         self._missing: list[int] = []
         self.rider: Rider | None = None
         self._riding = 0  # how many of the launched counts are the rider's (the last ones)
+        # mark() to settle(): this rank's counts, and its own first element before the mark.
+        self._marked_values: list[int] = []
+        self._own_first: torch.Tensor | None = None
 
     @property
     def launched(self) -> bool:
@@ -89,6 +102,45 @@ class Agreement:
         if group_size(self.group) > 1:
             with records.tagged("DDP end-of-backward check"):
                 self.work = dist.all_reduce(self.counts, group=self.group, async_op=True)
+
+    def mark(self, flat: torch.Tensor, missing: int) -> None:
+        """Before the last bucket's all-reduce (CPU): take this rank's counts, and mark ``flat``
+        with NaN if any is non-zero (see the module doc). ``flat`` must not be empty."""
+        extra = self.rider.values() if self.rider is not None else []
+        self._riding = len(extra)
+        self._marked_values = [missing, *extra]
+        self._own_first = flat[:1].clone()
+        if any(self._marked_values):
+            flat[0] = float("nan")
+
+    def settle(self, flat: torch.Tensor, missing: list[int]) -> None:
+        """After the marked bucket's all-reduce: if some rank marked it (or a gradient there was
+        NaN), sum the counts, raise on every rank if any rank missed gradients, and sum the
+        first element again from every rank's own value."""
+        own, values, riding = self._own_first, self._marked_values, self._riding
+        self._own_first = None
+        assert own is not None, "settle() without mark()"
+        if not bool(flat[:1].isnan()):
+            if riding:
+                self._deliver([0] * riding)  # no rank has a request (its mark would show)
+            return
+        counts = torch.tensor(values, dtype=torch.int32, device=flat.device)
+        with records.tagged("DDP end-of-backward check"):
+            work = dist.all_reduce(counts, group=self.group, async_op=True)
+        self.wait(work, "end-of-backward check")
+        sums = counts.tolist()
+        if riding:
+            self._deliver(sums[-riding:])
+        if sums[0] != 0:
+            self._raise(missing)
+        # The same number of elements as the bucket: the backend splits and orders the sum
+        # alike, so the first element gets the bits the unmarked sum would have given it.
+        again = torch.zeros_like(flat)
+        again[:1] = own
+        with records.tagged("DDP end-of-backward check, first element again"):
+            work = dist.all_reduce(again, group=self.group, async_op=True)
+        self.wait(work, "end-of-backward check")
+        flat[:1] = again[:1]
 
     def read(self, missing: list[int], want_used: bool) -> list[bool] | None:
         """Raise on every rank if any rank missed gradients; the agreed used map if wanted."""

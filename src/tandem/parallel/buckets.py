@@ -83,14 +83,18 @@ def assign_buckets(
 
 @dataclass(eq=False)
 class Bucket:
-    """One bucket at run time: its flat buffer, a view of it per parameter, and how many of its
-    gradients are still to come in the current backward."""
+    """One bucket at run time: its flat buffer, a view of it per parameter, how many of its
+    gradients are still to come in the current backward, whether its buffer was handed to the
+    parameters as their ``.grad`` in the last one, and a spare buffer (with its views) for
+    when a user keeps those gradients."""
 
     index: int
     params: list[int]
     flat: torch.Tensor
     views: list[torch.Tensor]
     pending: int = field(default=0)
+    handed_over: bool = field(default=False)
+    spare: tuple[torch.Tensor, list[torch.Tensor]] | None = field(default=None)
 
 
 def build_buckets(layout: Sequence[Sequence[int]], params: Sequence[torch.Tensor]) -> list[Bucket]:

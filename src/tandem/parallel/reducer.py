@@ -16,9 +16,17 @@ One iteration, as the reducer sees it:
    PowerSGD issue further collectives from that future's callbacks, on another thread (the
    hooks known to issue a single collective are exempt: see ``set_hook``).
 4. ``_finalize()`` (runs once backward is done): launch what is left (zeros for gradients this
-   rank never got), wait for every bucket, write the means back into ``.grad``, and agree across
-   ranks, in one small all-reduce issued after every bucket's own collectives, on how many
-   gradients each rank missed (and, with find_unused_parameters, on which were used anywhere).
+   rank never got), wait for every bucket, give the means to ``.grad``, and agree across ranks
+   on how many gradients each rank missed (and, with find_unused_parameters, on which were used
+   anywhere): see :mod:`tandem.parallel.agreement` (on the CPU the check rides in the last
+   bucket and costs no collective unless some rank has something to say).
+
+The means reach ``.grad`` without a copy where it counts: a large gradient (see
+``LARGE_GRADIENT``) becomes a view of its bucket's buffer. At the next forward the bucket takes
+that buffer back if ``zero_grad`` dropped those gradients (the usual case), or else uses a
+spare one: a gradient the user keeps is never written into. Small gradients are copied back,
+in one call per bucket. Under a communication hook, and with gradient_as_bucket_view, the
+buffers stay the bucket's.
 
 Buckets follow torch's rules (one bucket at first, rebuilt once in the order gradients became
 ready, saved in the state): :mod:`tandem.parallel.reducer_layout`. ``static_graph`` follows
@@ -47,11 +55,12 @@ from tandem.parallel import lockstep
 from tandem.parallel.agreement import Agreement
 from tandem.parallel.buckets import Bucket
 from tandem.parallel.comm_hooks import CommHook, GradBucket, completed, issues_one_collective
-from tandem.parallel.reducer_layout import ReducerLayout, bucket_caps
+from tandem.parallel.reducer_layout import CAN_HAND_OVER, ReducerLayout, bucket_caps
 
 # A gradient of at least this many elements is copied into its bucket as soon as it is ready,
-# the division fused (one pass, while the gradient is still in cache: the copy is memory-bound);
-# smaller ones are copied when their bucket is full, in one call per bucket (their cost is the
+# the division fused (one pass, while the gradient is still in cache: the copy is memory-bound),
+# and its mean is handed back as a view of the bucket, not copied; smaller ones are copied when
+# their bucket is full and back when it is done, in one call per bucket (their cost is the
 # call, not the memory).
 LARGE_GRADIENT = 16384
 
@@ -134,6 +143,8 @@ class Reducer(ReducerLayout):
         self.static_used: list[bool] | None = None
         device = self.params[0].device if self.params else torch.device("cpu")
         self.agreement = Agreement(self.names, group, device, self.wait)
+        self.on_cpu = device.type == "cpu"
+        self.check_in_bucket = False  # this backward's check rides in the last bucket
 
     # -- per iteration --------------------------------------------------------------------
 
@@ -148,6 +159,12 @@ class Reducer(ReducerLayout):
         self.futures = [None] * len(self.buckets)
         self.finalize_queued = False
         self.recording = self._recording()
+        for bucket in self.buckets:
+            if bucket.handed_over:
+                self._reclaim(bucket)
+        self.check_in_bucket = self._checks_in_bucket(
+            self.find_unused or (self.static_graph and self.expected_fires is None)
+        )
         # The division by the world size is folded into the copy, unless a hook does it.
         self.fill_scale = self.scale if self.hook is None and self.world_size > 1 else None
         for bucket in self.buckets:
@@ -240,6 +257,7 @@ class Reducer(ReducerLayout):
             self.next_bucket == len(buckets)
             and self.hook is None
             and self.world_size > 1
+            and not self.check_in_bucket
             and not self.agreement.launched
         ):
             # Every gradient is in (none missed), and no hook will issue more collectives.
@@ -317,6 +335,8 @@ class Reducer(ReducerLayout):
             return self.hook(self.hook_state, grads)
         if self.world_size == 1:
             return completed(bucket.flat)
+        if self.check_in_bucket and bucket is self.buckets[-1]:
+            self.agreement.mark(bucket.flat, self.marked.count(False))
         # The default path keeps the Work, not work.get_future(): waiting on the future costs
         # measurably more CPU per bucket with Gloo (benchmarks/ddp_throughput.py).
         return dist.all_reduce(bucket.flat, group=self.group, async_op=True)
@@ -353,6 +373,8 @@ class Reducer(ReducerLayout):
                     result = result[0]
                 if result is not bucket.flat:
                     bucket.flat.copy_(result)
+                if self.check_in_bucket and k == len(self.buckets) - 1:
+                    self.agreement.settle(bucket.flat, missing)  # raises if any rank missed
             # Write each bucket's means back as soon as that bucket is done: the copies then
             # run while the later buckets are still on the wire.
             if write_back_now:
@@ -362,9 +384,11 @@ class Reducer(ReducerLayout):
         # group's threads busy with their tensors while the interpreter shuts down.
         self.futures = []
         self.backwards += 1
-        if not self.agreement.launched:
-            self.agreement.launch(len(missing), self.used if agree_used else None)
-        used = self.agreement.read(missing, agree_used)
+        used = None
+        if not self.check_in_bucket:
+            if not self.agreement.launched:
+                self.agreement.launch(len(missing), self.used if agree_used else None)
+            used = self.agreement.read(missing, agree_used)
         if first_static:
             self.static_used = used
         elif self.static_used is not None:
@@ -372,6 +396,17 @@ class Reducer(ReducerLayout):
         self.used = [False] * len(self.params)
         if not write_back_now:
             self._write_back(range(len(self.params)), used)
+
+    def _checks_in_bucket(self, agree_used: bool) -> bool:
+        # See tandem.parallel.agreement: on the CPU, unless the used map must travel.
+        return (
+            self.on_cpu
+            and self.world_size > 1
+            and self.hook is None
+            and not agree_used
+            and bool(self.buckets)
+            and self.buckets[-1].flat.numel() > 0
+        )
 
     def set_hook(self, hook: CommHook, state: Any) -> None:
         """Reduce each bucket with ``hook(state, bucket)`` (see ``comm_hooks``).
@@ -396,10 +431,14 @@ class Reducer(ReducerLayout):
         done) and the end-of-backward check. Fresh zero buffers: with gradient_as_bucket_view
         the real buckets are this rank's ``.grad``, which must be left alone.
         """
+        agree_used = self.find_unused or (self.static_graph and self.backwards == 0)
+        in_bucket = self._checks_in_bucket(agree_used)
         futures: list[Any] = []
         for bucket in self.buckets:
             zeros = torch.zeros_like(bucket.flat)
             if self.hook is None:
+                if in_bucket and bucket is self.buckets[-1]:
+                    self.agreement.mark(zeros, 0)
                 futures.append(dist.all_reduce(zeros, group=self.group, async_op=True))
                 continue
             if futures and self.serial:
@@ -413,26 +452,40 @@ class Reducer(ReducerLayout):
             )
         for fut in futures:
             fut.wait()
+        if in_bucket:
+            self.agreement.settle(zeros, [])
         if self._recording():
             # The training ranks rebuild their buckets at their next forward; so must this one,
             # to answer that broadcast (rank 0's order wins; this one's is a placeholder).
             self.ready_order = list(reversed(range(len(self.params))))
         self.backwards += 1
         self.used = [False] * len(self.params)
-        agree_used = self.find_unused or (self.static_graph and self.backwards == 1)
-        self.agreement.launch(0, self.used if agree_used else None)
-        self.agreement.read([], agree_used)
+        if not in_bucket:
+            self.agreement.launch(0, self.used if agree_used else None)
+            self.agreement.read([], agree_used)
 
     def _write_back(self, indices: Sequence[int], used: list[bool] | None) -> None:
-        """Give parameters ``indices`` their mean gradient (``used``: who had one anywhere)."""
+        """Give parameters ``indices`` their mean gradient (``used``: who had one anywhere).
+
+        A large gradient takes its slot of the bucket as it is (see the module doc); small ones
+        are copied, in one call.
+        """
         grads, means = [], []
+        hand_over = CAN_HAND_OVER and self.hook is None and not self.as_view
         for i in indices:
             p, view = self.params[i], self.views[i]
-            if p.grad is None:
-                if used is not None and used[i]:
-                    # Unused here but used on another rank: this rank steps with the mean too.
-                    p.grad = view if self.as_view else view.clone()
-            elif p.grad is not view:
+            if p.grad is None and (used is None or not used[i]):
+                continue  # no gradient anywhere: it stays None, as under torch's DDP
+            if p.grad is view:
+                continue  # gradient_as_bucket_view: already there
+            if self.as_view:
+                p.grad = view
+            elif hand_over and self.eager[i]:
+                p.grad = view.view_as(view)  # a tensor of its own: see _reclaim
+                self.bucket_of[i].handed_over = True
+            elif p.grad is None:  # unused here but used on another rank: step with the mean
+                p.grad = view.clone()
+            else:
                 grads.append(p.grad)
                 means.append(view)
         if grads:

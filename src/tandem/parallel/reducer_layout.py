@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._utils import _unflatten_dense_tensors
 
 from tandem._dist import global_rank
 from tandem.doctor import records
@@ -38,6 +39,18 @@ DEFAULT_FIRST_BUCKET_MB = 1.0
 
 
 log = logging.getLogger("tandem.parallel.reducer")
+
+
+# Whether a buffer's storage is still shared by a tensor other than the bucket's own (torch's
+# count of the tensors that share a storage; without it, buffers are never handed over).
+CAN_HAND_OVER = hasattr(torch._C, "_storage_Use_Count")
+
+
+def _unreferenced(flat: torch.Tensor, views: list[torch.Tensor]) -> bool:
+    # The storage is shared by flat, by each of its views, and by the storage object this
+    # query makes: any more is somebody else's tensor (a gradient handed over, or one made
+    # from it).
+    return torch._C._storage_Use_Count(flat.untyped_storage()._cdata) == len(views) + 2
 
 
 def bucket_caps(bucket_cap_mb: float | None, first_bucket_cap_mb: float | None) -> tuple[int, int]:
@@ -97,6 +110,25 @@ class ReducerLayout:
                 if p.grad is not None:
                     self.views[i].copy_(p.grad)
                     p.grad = self.views[i]
+
+    def _reclaim(self, bucket: Bucket) -> None:
+        """Before a backward, for a bucket whose buffer the parameters took as their gradients:
+        keep it if no gradient of it is held any more (``zero_grad`` set them to None), else
+        take the bucket's spare buffer if that one is free, else a new one; the buffer still
+        held becomes the spare. A gradient a user keeps is never written into."""
+        bucket.handed_over = False
+        if _unreferenced(bucket.flat, bucket.views):
+            return
+        spare = bucket.spare
+        bucket.spare = (bucket.flat, bucket.views)
+        if spare is not None and _unreferenced(*spare):
+            bucket.flat, bucket.views = spare
+        else:
+            bucket.flat = torch.empty_like(bucket.flat)  # every slot is written before the sum
+            params = [self.params[i] for i in bucket.params]
+            bucket.views = list(_unflatten_dense_tensors(bucket.flat, params))  # one C++ call
+        for i, view in zip(bucket.params, bucket.views, strict=True):
+            self.views[i] = view
 
     @property
     def layout(self) -> list[list[int]]:
