@@ -6,11 +6,18 @@ machine's load hits both alike; each round is `--steps` steps after the engines 
 (bucket rebuild included). Reported: median samples/s of each engine over the rounds, and the
 median of the per-pair ratios tandem/torch.
 
+``--interleave step`` alternates at every step instead (a pair is then ``--steps`` steps of
+each engine, taken in turns, each after a barrier and timed on its own, the slowest rank's
+time): load that drifts over a round then falls on both engines alike, which makes the ratio
+several times steadier than with whole rounds (where single pairs spread by +-10% on a 2-core
+machine), at the price of engines that share the caches step by step.
+
 Run::
 
     python benchmarks/ddp_throughput.py --pairs 7 --steps 30
     python benchmarks/ddp_throughput.py --device cuda --world 1   # on a GPU machine (NCCL)
     python benchmarks/ddp_throughput.py --records-overhead --models deep_200x16 mlp
+    python benchmarks/ddp_throughput.py --interleave step --pairs 15 --steps 40
 
 ``--records-overhead`` adds a third engine, tandem.DDP with the collective records
 (``tandem.doctor.records``) switched off during its rounds, and prints recorded/unrecorded.
@@ -111,14 +118,40 @@ def _round(model, opt, batches, device) -> float:
     dist.barrier()
     start = time.perf_counter()
     for x, y in batches:
-        opt.zero_grad(set_to_none=True)
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
+        _step(model, opt, x, y)
     if device.type == "cuda":
         torch.cuda.synchronize()
     elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
     return elapsed.item()
+
+
+def _step(model, opt, x, y) -> None:
+    opt.zero_grad(set_to_none=True)
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+
+
+def _interleaved(engines: dict, names: tuple[str, ...], batches, device, pair: int) -> dict:
+    """One pair with ``--interleave step``: seconds per engine, summed over its steps, each
+    step the slowest rank's; the engines take turns at every step, in rotating order."""
+    spent = torch.zeros(len(batches), len(names), dtype=torch.float64)
+    for k, (x, y) in enumerate(batches):
+        turn = (pair + k) % len(names)
+        for e in [*range(turn, len(names)), *range(turn)]:
+            model, opt = engines[names[e]]
+            records.enabled = names[e] != UNRECORDED
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            dist.barrier()
+            start = time.perf_counter()
+            _step(model, opt, x, y)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            spent[k, e] = time.perf_counter() - start
+            records.enabled = True
+    dist.all_reduce(spent, op=dist.ReduceOp.MAX)
+    return dict(zip(names, spent.sum(dim=0).tolist(), strict=True))
 
 
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
@@ -151,6 +184,11 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
             engines[engine] = (model, opt)
         times: dict[str, list[float]] = {e: [] for e in engine_names}
         for pair in range(args.pairs):
+            if args.interleave == "step":
+                spent = _interleaved(engines, engine_names, batches, device, pair)
+                for engine in engine_names:
+                    times[engine].append(spent[engine])
+                continue
             # A B, then B A: neither engine always runs right after the other's allocations
             order = engine_names if pair % 2 == 0 else engine_names[::-1]
             for engine in order:
@@ -192,6 +230,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--json", type=Path, default=RESULTS / "ddp_throughput.json")
     parser.add_argument(
+        "--interleave",
+        choices=["round", "step"],
+        default="round",
+        help="alternate the engines every round of --steps steps (default) or every step",
+    )
+    parser.add_argument(
         "--records-overhead",
         action="store_true",
         help="also run tandem.DDP with the collective records off, and print recording's cost",
@@ -215,6 +259,7 @@ def main(argv: list[str] | None = None) -> dict:
         "threads_per_rank": args.threads,
         "pairs": args.pairs,
         "steps_per_round": args.steps,
+        "interleave": args.interleave,
         "torch": torch.__version__,
     }
     result = {"meta": meta, "models": report}
@@ -222,7 +267,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     print(
         f"DDP throughput, {meta['world']} ranks, {meta['backend']}, {meta['device']}, "
-        f"{args.pairs} pairs x {args.steps} steps (median samples/s)"
+        f"{args.pairs} pairs x {args.steps} steps, alternating every {args.interleave} "
+        "(median samples/s)"
     )
     print("| model | tensors | params | tandem.DDP | torch DDP | tandem/torch |")
     print("|---|---:|---:|---:|---:|---:|")

@@ -25,7 +25,7 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 TINY = {
     "ddp_throughput": [
         "--world", "2", "--pairs", "1", "--steps", "1", "--warmup", "1",
-        "--models", "deep_200x16",
+        "--models", "deep_200x16", "--interleave", "step",  # the warm-up runs a whole round
     ],
     "dp": ["--pairs", "1", "--steps", "1", "--warmup", "1", "--models", "mlp", "--lm-batch", "4"],
     "io": [
