@@ -158,7 +158,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         if training:
             self.reducer.progress.step += 1
             self._steps.tick()
-            self.reducer.check_previous_step()
+            self.reducer.start_step()
             self.reducer.rebuild()
             self.sync_buffers(training=True)
             if announced is not None and not self.divide_by_initial_world_size:
