@@ -47,7 +47,7 @@ from tandem.doctor import records
 
 
 class Rider(Protocol):
-    """Counts that travel in the end-of-backward all-reduce (same number on every rank)."""
+    """Counts that travel with the end-of-backward check (same number on every rank)."""
 
     def values(self) -> list[int]:
         """This rank's counts, taken now (called at launch, on every rank)."""
@@ -63,7 +63,7 @@ class UnusedParametersError(RuntimeError):
 
 
 class Agreement:
-    """The end-of-backward all-reduce of one DDP model (see the module docstring)."""
+    """The end-of-backward check of one DDP model (see the module docstring)."""
 
     def __init__(
         self,

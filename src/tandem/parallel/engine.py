@@ -107,8 +107,8 @@ class Engine(ABC):
     def carry(self, rider: Rider) -> bool:
         """Let ``rider``'s counts travel in a collective the engine issues every step anyway.
 
-        True if the engine does (tandem.DDP: its end-of-backward all-reduce); False: the
-        caller sends them itself.
+        True if the engine does (tandem.DDP: its end-of-backward check, see
+        ``tandem.parallel.agreement``); False: the caller sends them itself.
         """
         return False
 

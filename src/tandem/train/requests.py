@@ -8,12 +8,14 @@ all-reduce, and every rank then sees the same sums and takes the same action at 
 
 The all-reduce is waited for at once at the log steps and the epoch's end, which need the sums
 now (:meth:`Requests.agree`). Between them the requests cost no wait: with tandem.DDP they ride
-in the engine's own end-of-backward all-reduce (this object is its
-:class:`tandem.parallel.agreement.Rider`); with the other engines they are sent in the
-background at a step boundary (:meth:`Requests.send`). Either way the result is acted on at the
-next step boundary (:meth:`Requests.collect`), whichever engine runs: a request made during
-step k (before its backward) is acted on after step k + 1, by every rank alike (on a GPU, where
-tandem.DDP reads its count at the next forward, after step k + 2).
+in the engine's own end-of-backward check (this object is its
+:class:`tandem.parallel.agreement.Rider`; on the CPU that check is a mark in the last bucket,
+and a collective is spent only at a step where some rank has a request); with the other
+engines they are sent in the background at a step boundary (:meth:`Requests.send`). Either
+way the result is acted on at the next step boundary (:meth:`Requests.collect`), whichever
+engine runs: a request made during step k (before its backward) is acted on after step k + 1,
+by every rank alike (on a GPU, where tandem.DDP reads its count at the next forward, after
+step k + 2).
 
 - SIGTERM (a scheduler's preemption, ``tandem run`` stopping): save, then stop cleanly.
 - SIGUSR1 (``tandem run`` forwards it; SLURM's ``--signal``): save and carry on.

@@ -155,7 +155,7 @@ class Trainer(Boundaries):
         keep_checkpoints: how many checkpoints to keep.
         check_every: agree on stop/save requests every this many optimizer steps, besides
             every log step and every epoch's end. With tandem.DDP the requests ride in the
-            engine's own end-of-backward all-reduce every step (this setting then does not
+            engine's own end-of-backward check every step (this setting then does not
             matter); otherwise one small all-reduce is sent in the background. Either way the
             result is read at the next step boundary: a SIGTERM/SIGUSR1 or request during step
             k is acted on after step k + 1, on every rank alike.
