@@ -379,7 +379,7 @@ class Reducer(ReducerLayout):
             # Write each bucket's means back as soon as that bucket is done: the copies then
             # run while the later buckets are still on the wire.
             if write_back_now:
-                self._write_back(bucket.params, None)
+                self._write_back_bucket(bucket)
         self.next_bucket = len(self.buckets)
         # Drop the finished work handles: held past the last step, they keep the process
         # group's threads busy with their tensors while the interpreter shuts down.
@@ -464,6 +464,16 @@ class Reducer(ReducerLayout):
         if not in_bucket:
             self.agreement.launch(0, self.used if agree_used else None)
             self.agreement.read([], agree_used)
+
+    def _write_back_bucket(self, bucket: Bucket) -> None:
+        """``_write_back`` of one bucket's parameters, without a used map."""
+        if not self.as_view and not self.has_eager[bucket.index]:
+            # The common case for small gradients: one call, no loop over the parameters here.
+            grads = [self.params[i].grad for i in bucket.params]
+            if not any(g is None for g in grads):
+                torch._foreach_copy_(grads, bucket.views)
+                return
+        self._write_back(bucket.params, None)
 
     def _write_back(self, indices: Sequence[int], used: list[bool] | None) -> None:
         """Give parameters ``indices`` their mean gradient (``used``: who had one anywhere).
