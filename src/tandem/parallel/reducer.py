@@ -55,7 +55,7 @@ from tandem.parallel import lockstep
 from tandem.parallel.agreement import Agreement
 from tandem.parallel.buckets import Bucket
 from tandem.parallel.comm_hooks import CommHook, GradBucket, completed, issues_one_collective
-from tandem.parallel.reducer_layout import CAN_HAND_OVER, ReducerLayout, bucket_caps
+from tandem.parallel.reducer_layout import ReducerLayout, bucket_caps
 
 # A gradient of at least this many elements is copied into its bucket as soon as it is ready,
 # the division fused (one pass, while the gradient is still in cache: the copy is memory-bound),
@@ -464,45 +464,6 @@ class Reducer(ReducerLayout):
         if not in_bucket:
             self.agreement.launch(0, self.used if agree_used else None)
             self.agreement.read([], agree_used)
-
-    def _write_back_bucket(self, bucket: Bucket) -> None:
-        """``_write_back`` of one bucket's parameters, without a used map."""
-        if not self.as_view and not self.has_eager[bucket.index]:
-            # The common case for small gradients: one call, no loop over the parameters here.
-            grads = [self.params[i].grad for i in bucket.params]
-            if not any(g is None for g in grads):
-                torch._foreach_copy_(grads, bucket.views)
-                return
-        self._write_back(bucket.params, None)
-
-    def _write_back(self, indices: Sequence[int], used: list[bool] | None) -> None:
-        """Give parameters ``indices`` their mean gradient (``used``: who had one anywhere).
-
-        A large gradient takes its slot of the bucket as it is (see the module doc); small ones
-        are copied, in one call.
-        """
-        grads, means = [], []
-        hand_over = CAN_HAND_OVER and self.hook is None and not self.as_view
-        for i in indices:
-            p, view = self.params[i], self.views[i]
-            if p.grad is None and (used is None or not used[i]):
-                continue  # no gradient anywhere: it stays None, as under torch's DDP
-            if p.grad is view:
-                continue  # gradient_as_bucket_view: already there
-            if self.as_view:
-                p.grad = view
-            elif hand_over and self.eager[i]:
-                if p.grad is not None:
-                    self.replaced.append(p.grad)  # freed at the next forward (see start_step)
-                p.grad = view.view_as(view)  # a tensor of its own: see _reclaim
-                self.bucket_of[i].handed_over = True
-            elif p.grad is None:  # unused here but used on another rank: step with the mean
-                p.grad = view.clone()
-            else:
-                grads.append(p.grad)
-                means.append(view)
-        if grads:
-            torch._foreach_copy_(grads, means)  # one call, not one per parameter
 
     def start_step(self) -> None:
         """At a training forward: free the gradients the means replaced, and raise the

@@ -8,7 +8,9 @@ from the start and never rebuilt. The learnt layout is part of the reducer's sta
 resumed run reduces in the same buckets as the uninterrupted one.
 
 :class:`ReducerLayout` is the part of :class:`tandem.parallel.reducer.Reducer` that owns the
-buckets; the reducer adds the per-iteration hooks, launches and the end of backward.
+buckets and their buffers: cut, rebuilt, saved, the means given to ``.grad`` (large ones as
+views of a buffer, which comes back to its bucket once nobody holds it); the reducer adds the
+per-iteration hooks, launches and the end of backward.
 
 Example::
 
@@ -20,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -77,6 +79,8 @@ class ReducerLayout:
     as_view: bool
     static_graph: bool
     eager: list[bool]  # copied in as soon as ready (see reducer.LARGE_GRADIENT)
+    hook: Any  # the communication hook, None for the default mean
+    replaced: list[torch.Tensor]  # gradients a bucket's view replaced, freed at the next forward
     rebuilt: bool
     ready_order: list[int]
     backwards: int
@@ -129,6 +133,46 @@ class ReducerLayout:
             bucket.views = list(_unflatten_dense_tensors(bucket.flat, params))  # one C++ call
         for i, view in zip(bucket.params, bucket.views, strict=True):
             self.views[i] = view
+
+    def _write_back_bucket(self, bucket: Bucket) -> None:
+        """``_write_back`` of one bucket's parameters, without a used map."""
+        if not self.as_view and not self.has_eager[bucket.index]:
+            # The common case for small gradients: one call, no loop over the parameters here.
+            maybe = [self.params[i].grad for i in bucket.params]
+            grads = [g for g in maybe if g is not None]
+            if len(grads) == len(maybe):
+                torch._foreach_copy_(grads, bucket.views)
+                return
+        self._write_back(bucket.params, None)
+
+    def _write_back(self, indices: Sequence[int], used: list[bool] | None) -> None:
+        """Give parameters ``indices`` their mean gradient (``used``: who had one anywhere).
+
+        A large gradient takes its slot of the bucket as it is (see the module doc); small ones
+        are copied, in one call.
+        """
+        grads, means = [], []
+        hand_over = CAN_HAND_OVER and self.hook is None and not self.as_view
+        for i in indices:
+            p, view = self.params[i], self.views[i]
+            if p.grad is None and (used is None or not used[i]):
+                continue  # no gradient anywhere: it stays None, as under torch's DDP
+            if p.grad is view:
+                continue  # gradient_as_bucket_view: already there
+            if self.as_view:
+                p.grad = view
+            elif hand_over and self.eager[i]:
+                if p.grad is not None:
+                    self.replaced.append(p.grad)  # freed at the next forward (see start_step)
+                p.grad = view.view_as(view)  # a tensor of its own: see _reclaim
+                self.bucket_of[i].handed_over = True
+            elif p.grad is None:  # unused here but used on another rank: step with the mean
+                p.grad = view.clone()
+            else:
+                grads.append(p.grad)
+                means.append(view)
+        if grads:
+            torch._foreach_copy_(grads, means)  # one call, not one per parameter
 
     @property
     def layout(self) -> list[list[int]]:
