@@ -95,9 +95,7 @@ class Agreement:
     def launch(self, missing: int, used: Sequence[bool] | None) -> None:
         """Issue the all-reduce: how many gradients this rank missed, and its used map."""
         values = [missing] + ([int(u) for u in used] if used is not None else [])
-        extra = self.rider.values() if self.rider is not None else []
-        self._riding = len(extra)
-        values += extra
+        values += self._rider_values()
         self.counts = torch.tensor(values, dtype=torch.int32, device=self.device)
         if group_size(self.group) > 1:
             with records.tagged("DDP end-of-backward check"):
@@ -106,9 +104,7 @@ class Agreement:
     def mark(self, flat: torch.Tensor, missing: int) -> None:
         """Before the last bucket's all-reduce (CPU): take this rank's counts, and mark ``flat``
         with NaN if any is non-zero (see the module doc). ``flat`` must not be empty."""
-        extra = self.rider.values() if self.rider is not None else []
-        self._riding = len(extra)
-        self._marked_values = [missing, *extra]
+        self._marked_values = [missing, *self._rider_values()]
         self._own_first = flat[:1].clone()
         if any(self._marked_values):
             flat[0] = float("nan")
@@ -179,6 +175,12 @@ class Agreement:
             self._deliver(values[1:])
         if values[0] != 0:
             self._raise(self._missing)
+
+    def _rider_values(self) -> list[int]:
+        # Taken once per backward, on every rank; their sums are delivered after the read.
+        extra = self.rider.values() if self.rider is not None else []
+        self._riding = len(extra)
+        return extra
 
     def _deliver(self, sums: list[int]) -> None:
         if self.rider is not None:

@@ -160,15 +160,12 @@ class Reducer(ReducerLayout):
         self.futures = [None] * len(self.buckets)
         self.finalize_queued = False
         self.recording = self._recording()
-        for bucket in self.buckets:
-            if bucket.handed_over:
-                self._reclaim(bucket)
-        self.check_in_bucket = self._checks_in_bucket(
-            self.find_unused or (self.static_graph and self.expected_fires is None)
-        )
+        self.check_in_bucket = self._checks_in_bucket()
         # The division by the world size is folded into the copy, unless a hook does it.
         self.fill_scale = self.scale if self.hook is None and self.world_size > 1 else None
         for bucket in self.buckets:
+            if bucket.handed_over:
+                self._reclaim(bucket)
             bucket.pending = len(bucket.params)
         if self.static_graph:
             self.fires = [0] * len(self.params)
@@ -356,7 +353,7 @@ class Reducer(ReducerLayout):
         # Gradients this rank never got go out as zeros (see _fill), so that no rank waits on
         # a collective this rank would never issue; _check then tells every rank what happened.
         missing = [] if first_static else [i for i, m in enumerate(self.marked) if not m]
-        agree_used = self.find_unused or first_static
+        agree_used = self._used_map_travels()
         write_back_now = not missing and not agree_used and self.static_used is None
         for k, bucket in enumerate(self.buckets):
             fut = self.futures[k]
@@ -398,13 +395,18 @@ class Reducer(ReducerLayout):
         if not write_back_now:
             self._write_back(range(len(self.params)), used)
 
-    def _checks_in_bucket(self, agree_used: bool) -> bool:
+    def _used_map_travels(self) -> bool:
+        # In this backward the ranks agree on which parameters were used anywhere:
+        # find_unused_parameters, or static_graph's first backward (trained or shadowed).
+        return self.find_unused or (self.static_graph and self.backwards == 0)
+
+    def _checks_in_bucket(self) -> bool:
         # See tandem.parallel.agreement: on the CPU, unless the used map must travel.
         return (
             self.on_cpu
             and self.world_size > 1
             and self.hook is None
-            and not agree_used
+            and not self._used_map_travels()
             and bool(self.buckets)
             and self.buckets[-1].flat.numel() > 0
         )
@@ -432,8 +434,8 @@ class Reducer(ReducerLayout):
         done) and the end-of-backward check. Fresh zero buffers: with gradient_as_bucket_view
         the real buckets are this rank's ``.grad``, which must be left alone.
         """
-        agree_used = self.find_unused or (self.static_graph and self.backwards == 0)
-        in_bucket = self._checks_in_bucket(agree_used)
+        agree_used = self._used_map_travels()
+        in_bucket = self._checks_in_bucket()
         futures: list[Any] = []
         for bucket in self.buckets:
             zeros = torch.zeros_like(bucket.flat)
