@@ -5,7 +5,9 @@ SGD steps the parameters of both engines are ``torch.equal`` on every rank, for 
 ``allreduce_hook``, ``fp16_compress_hook``, ``bf16_compress_hook``, the fp16/bf16 wrappers around
 ``allreduce_hook`` (which need ``GradBucket.set_buffer`` to replace the buffer), ``noop_hook`` and
 ``post_localSGD_hook`` with torch's ``PeriodicModelAverager``, each with the default buckets and
-with many small ones; and ``powerSGD_hook`` with the default buckets, three runs.
+with many small ones; and ``powerSGD_hook`` with the default buckets, three runs. tandem's own
+fp16 and bf16 hooks give torch's hooks' bits at world size 1 too (nothing is sent, but both
+round the gradients through the low dtype).
 
 Where torch's DDP cannot run on Gloo (PowerSGD over several buckets issues collectives from two
 threads), tandem must: it runs, every rank ends with the same parameters, and the result is as
@@ -37,6 +39,7 @@ from torch.distributed.algorithms.model_averaging.averagers import PeriodicModel
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import tandem
+from tandem.parallel import comm_hooks
 from tests.distributed import models
 from tests.harness import run_ranks
 
@@ -90,7 +93,12 @@ def _hook(name: str):
 
 def _train(engine: str, hook_name: str, bucket_cap_mb: float | None) -> torch.nn.Module:
     rank = dist.get_rank()
-    hook, make_state, averaged = _hook(hook_name)
+    if hook_name.startswith("tandem_"):  # tandem's own hook in tandem.DDP, torch's in torch's
+        ours = getattr(comm_hooks, f"{hook_name[7:]}_compress_hook")
+        hook_name = hook_name[7:] if engine == "torch" else hook_name
+    hook, make_state, averaged = (
+        (ours, lambda: None, False) if hook_name.startswith("tandem_") else _hook(hook_name)
+    )
     wrapper = tandem.DDP if engine == "tandem" else TorchDDP
     model = wrapper(models.mlp(seed=rank, dtype=torch.float32), bucket_cap_mb=bucket_cap_mb)
     model.register_comm_hook(make_state(), hook)
@@ -133,6 +141,12 @@ def test_torch_hooks_equal_torch_ddp(hook_name, bucket_cap_mb):
     else:
         for a, b in zip(results[0]["params"], results[1]["params"], strict=True):
             assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("hook_name", ["tandem_fp16", "tandem_bf16"])
+def test_own_compress_hooks_round_as_torchs_at_world_size_1(hook_name):
+    (result,) = run_ranks(_parity, 1, args=(hook_name, None), timeout=120)
+    assert result["equal"], result["diff"]
 
 
 @pytest.mark.parametrize("run", range(3))

@@ -6,7 +6,8 @@
   ``dist.all_reduce`` / ``dist.barrier`` with the line of this file that called them.
 - Records are numbered per group from 1; every rank's sequence of (group, number, op, shapes,
   dtypes) is the same; a subgroup counts on its own.
-- Blocking calls have ended when they return; an asynchronous one once its work is done.
+- Blocking calls have ended when they return; an asynchronous one once its work is done, and
+  the next collective lets go of a finished work (no record keeps its tensors alive).
 - The ring keeps the newest ``CAPACITY`` records; ``uninstall`` gives torch its functions back.
 - On Gloo a blocking collective, and ``records.wait`` on an asynchronous one, wait in slices: a
   failure set meanwhile (``records.fail``, what the doctor calls on a mismatch) is raised in the
@@ -43,7 +44,11 @@ def _train_and_talk() -> dict:
     pair = dist.new_group([0, 1])
     dist.all_reduce(torch.ones(1), group=pair)
     dist.barrier()
+    # Before anything polls the records: the barrier's own look must have let go of every
+    # finished work (a Work keeps its tensors, the buckets' among them, alive).
+    held = [r.as_dict() for r in records.recent() if r.work is not None]
     return {
+        "held": held,
         "records": [r.as_dict() for r in records.recent()],
         "line": line,
         "open": len(records.open_records()),
@@ -69,6 +74,7 @@ def test_every_collective_is_recorded_alike_on_every_rank():
         assert [r["seq"] for r in sub] == [1], sub
         assert all(r["end"] is not None and r["end"] >= r["start"] for r in recs), recs
         assert result["open"] == 0
+        assert result["held"] == [], result["held"]
     keys = ("group", "seq", "op", "shapes", "dtypes", "context")
     assert [[r[k] for k in keys] for r in first["records"]] == [
         [r[k] for k in keys] for r in second["records"]

@@ -174,9 +174,24 @@ class Reporter:
             _take(store, note, meeting.RendezvousError)  # a late duplicate RANK: stop the job
 
     @classmethod
+    def blocked_in(cls) -> records.Record | None:
+        """The collective the main thread waits in: its own, or, while it has none, the oldest
+        that a thread started outside Python waits in. On a GPU autograd runs the backward's
+        hooks (DDP's bucket waits among them) in a device thread of its own, while the main
+        thread sits in ``backward()``: that thread's wait is the main thread's. Threads that
+        Python started (a loader's prefetch, say) wait on their own account and are left out:
+        their collectives are not the main thread's to compare across ranks."""
+        mine = records.blocked.get(cls._main) if cls._main is not None else None
+        if mine is not None:
+            return mine
+        foreign = {t.ident for t in threading.enumerate() if isinstance(t, threading._DummyThread)}
+        waits = [r for ident, r in list(records.blocked.items()) if ident in foreign]
+        return min(waits, key=lambda r: r.start, default=None)
+
+    @classmethod
     def state(cls, exited: bool = False) -> dict[str, Any]:
         """Where this process stands: its collectives, what it is blocked in, its stacks."""
-        stuck = records.blocked.get(cls._main) if cls._main is not None else None
+        stuck = cls.blocked_in()
         newest: dict[str, dict[str, Any]] = {}
         recent = records.recent(64)
         for record in recent:
@@ -237,7 +252,7 @@ class _Watch:
 
     def main_thread(self, reporter: type[Reporter], store: Any) -> None:
         """The main thread blocked in a collective: compare it, or report the hang."""
-        stuck = records.blocked.get(reporter._main) if reporter._main is not None else None
+        stuck = reporter.blocked_in()
         if stuck is None or stuck is self.reported:
             return
         waited, after = time.time() - stuck.start, report_after()
@@ -264,7 +279,7 @@ class _Watch:
     def abort(self, reporter: type[Reporter], store: Any) -> None:
         """Gloo would abort this process: compare its open collectives across ranks now."""
         aborts.aborting.clear()
-        stuck = records.blocked.get(reporter._main) if reporter._main is not None else None
+        stuck = reporter.blocked_in()
         if stuck is None:
             stuck = next((r for r in records.open_records() if r.gloo), None)
         sides = None

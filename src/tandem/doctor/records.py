@@ -6,7 +6,9 @@ leaves a :class:`Record` in a bounded ring (the newest :data:`CAPACITY`): its se
 its group, the op, the group, the shapes and dtypes it sends, what the engine was doing (``DDP
 bucket 3, step 12``, set with :func:`tagged`), the line of user code it came from, and when it
 started and ended. A blocking call ends when it returns; an asynchronous one is marked ended the
-first time a later look (the next collective of its group, or a report) finds its work done.
+first time a later look (the next collective this process issues, or a report) finds its work
+done, and its work is let go of then: a finished collective's Work holds its tensors, and a
+record must not keep a bucket or an all-gathered buffer alive (on a GPU that is device memory).
 
 On Gloo a blocking collective is issued asynchronously and waited for in slices (:func:`wait`),
 so that an error the doctor finds while it waits (``mismatch.fail``: the ranks' collectives
@@ -133,6 +135,8 @@ _seq: dict[Any, int] = {}
 _groups: dict[Any, tuple[str, bool]] = {}  # group key -> (its name, whether it is Gloo's)
 _dtype_names: dict[torch.dtype, str] = {}
 _lock = threading.Lock()
+# Records whose asynchronous work was not yet seen done, oldest first (polled by `_start`).
+_open: collections.deque[Record] = collections.deque()
 _local = _State()
 _originals: dict[str, Callable[..., Any]] = {}
 # Thread ident -> the record of the collective it is blocked in (a blocking call, or a wait on
@@ -240,6 +244,7 @@ def clear() -> None:
     """Forget every record and restart the numbering (a new process group starts over)."""
     with _lock:
         _ring.clear()
+        _open.clear()
         _seq.clear()
         _groups.clear()
     mismatch.reset()
@@ -313,6 +318,8 @@ def _recorded(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
                 blocked.pop(me, None)
         if name in ("isend", "irecv") or (is_async and result is not None):
             record.work = result
+            with _lock:
+                _open.append(record)
         else:
             record.end = time.time()
             if not is_async:  # the time this thread waited, for tandem run's exit summary
@@ -327,6 +334,11 @@ def _start(op: str, group: Any, args: tuple, kwargs: dict) -> Record:
     tensors += [t for t in _tensors(tuple(kwargs.values())) if isinstance(t, torch.Tensor)]
     key = id(group) if group is not None else None
     with _lock:
+        # Let go of the works found done since the last collective (their tensors with them).
+        for _ in range(len(_open)):
+            done = _open.popleft()
+            if not done.poll():
+                _open.append(done)
         seq = _seq[key] = _seq.get(key, 0) + 1
         known = _groups.get(key)
     if known is None:

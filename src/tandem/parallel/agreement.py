@@ -96,10 +96,17 @@ class Agreement:
         """Issue the all-reduce: how many gradients this rank missed, and its used map."""
         values = [missing] + ([int(u) for u in used] if used is not None else [])
         values += self._rider_values()
-        self.counts = torch.tensor(values, dtype=torch.int32, device=self.device)
-        if group_size(self.group) > 1:
-            with records.tagged("DDP end-of-backward check"):
-                self.work = dist.all_reduce(self.counts, group=self.group, async_op=True)
+        host = torch.tensor(values, dtype=torch.int32)
+        if group_size(self.group) == 1:
+            # Nothing to agree with: the counts stay on the host and are read at once.
+            self.counts = host
+            return
+        if self.device.type == "cuda":
+            # From pageable memory the copy would make the CPU wait for the whole backward.
+            host = host.pin_memory()
+        self.counts = host.to(self.device, non_blocking=True)
+        with records.tagged("DDP end-of-backward check"):
+            self.work = dist.all_reduce(self.counts, group=self.group, async_op=True)
 
     def mark(self, flat: torch.Tensor, missing: int) -> None:
         """Before the last bucket's all-reduce (CPU): take this rank's counts, and mark ``flat``

@@ -145,10 +145,13 @@ def _compress_hook(dtype: torch.dtype) -> CommHook:
     ) -> torch.futures.Future[torch.Tensor]:
         buf = bucket.buffer()
         size = group_size(group)
-        if size == 1:
-            return completed(buf)
         # Divide in the low precision, as torch's hook does, so that both give the same bits.
         compressed = buf.to(dtype).div_(size)
+        if size == 1:
+            # Nothing is sent, but the gradients are rounded as torch's hook rounds them alone:
+            # a run's numbers do not change with whether there is a second rank.
+            buf.copy_(compressed)
+            return completed(buf)
         work = dist.all_reduce(compressed, group=group, async_op=True)
 
         def decompress(fut: torch.futures.Future) -> torch.Tensor:

@@ -4,11 +4,12 @@ A rank that runs out of data before the others leaves its training loop; the oth
 in their next gradient all-reduce for a rank that will never send. Left alone, that wait ends at
 the collective timeout (30 minutes by default), with an error that blames the waiting rank.
 
-tandem.DDP waits on its collectives in slices instead. Once a wait has lasted ``CHECK_AFTER_S``
-(or the collective failed because a peer closed its connection), the waiting rank asks every
-rank of the group, through the rendezvous store, how many training steps its DDP has started
-and where its main thread is. The doctor's thread in each process answers (this module adds
-its part to the answers, see ``tandem.doctor.hang``). A rank that has started
+tandem.DDP waits on its Gloo collectives in slices instead (on NCCL a wait does not block the
+host, see :func:`wait`; the doctor's hang reports watch those). Once a wait has lasted
+``CHECK_AFTER_S`` (or the collective failed because a peer closed its connection), the waiting
+rank asks every rank of the group, through the rendezvous store, how many training steps its
+DDP has started and where its main thread is. The doctor's thread in each process answers
+(this module adds its part to the answers, see ``tandem.doctor.hang``). A rank that has started
 fewer steps and is blocked in another ``torch.distributed`` call (a barrier, an all-reduce of
 metrics, the teardown at the end of its script) can never join this step: that is a deadlock,
 and every rank raises :class:`RanksOutOfStepError` naming it, its step and its line. A rank
@@ -63,12 +64,13 @@ class Progress:
     index: int  # the n-th DDP model built in this process: the same model on every rank
     group: dist.ProcessGroup | None
     step: int = 0  # training forwards started
+    sliced: bool = True  # waits in slices (Gloo); NCCL's stay plain (see `wait`)
 
 
 def track(group: dist.ProcessGroup | None) -> Progress:
     """Register a DDP model; the first one joins this process's doctor thread, which then
     answers for it and takes the verdicts of its peers."""
-    progress = Progress(next(_built), group)
+    progress = Progress(next(_built), group, sliced=_is_gloo(group))
     _models[progress.index] = progress
     if group_size(group) > 1:
         hang.Reporter.sections["lockstep"] = _state
@@ -80,8 +82,23 @@ def track(group: dist.ProcessGroup | None) -> Progress:
 
 def wait(work: dist.Work, progress: Progress, what: str) -> None:
     """``work.wait()``, but a wait that lasts checks that every rank is still in step."""
+    if not progress.sliced:
+        # NCCL: a plain wait makes the current stream wait for the collective and returns at
+        # once, as torch's DDP waits; the host never blocks on the GPU. A wait with a timeout
+        # would block it, and torch counts that timeout from the collective's start, then
+        # aborts the communicator: a bucket still on the wire after 0.25 s would end the job.
+        # NCCL's own watchdog and the doctor's hang reports watch these collectives instead.
+        work.wait()
+        return
     with steps.waiting:  # the time a rank waits for the others, for tandem run's summary
         _wait(work, progress, what)
+
+
+def _is_gloo(group: dist.ProcessGroup | None) -> bool:
+    try:
+        return not dist.is_initialized() or dist.get_backend(group) == "gloo"
+    except (RuntimeError, ValueError):  # a group this rank is not in
+        return True
 
 
 def _wait(work: dist.Work, progress: Progress, what: str) -> None:
