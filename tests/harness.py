@@ -8,7 +8,8 @@ The idea of PyTorch's MultiProcessTestCase in a small harness of our own:
 - a rank that raises has its traceback reported; the others get a short grace period to report
   theirs (a peer's death often leaves them blocked in a collective), then are stopped;
 - a test that exceeds its timeout fails with the Python stack of every rank still running, dumped
-  by faulthandler at the moment of the timeout: a hung collective fails in seconds, readably.
+  by faulthandler at the moment of the timeout: a hung collective fails in seconds, readably;
+  a rank that crashes in C++ (a segfault, an abort) leaves the stack it crashed in.
 
 Example::
 
@@ -67,6 +68,8 @@ def _child(
     os.environ.update(env)
     stacks = open(os.path.join(outdir, f"stack{rank}.txt"), "w")  # noqa: SIM115 (lives till exit)
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+    # A crash in C++ (a segfault in a backend, an abort) leaves its Python stack there too.
+    faulthandler.enable(file=stacks, all_threads=True)
     import torch
 
     # Two ranks on two cores: one intra-op thread each, or they fight over the cores.

@@ -28,6 +28,7 @@ TINY = {
         "--models", "deep_200x16", "--interleave", "step",  # the warm-up runs a whole round
     ],
     "dp": ["--pairs", "1", "--steps", "1", "--warmup", "1", "--models", "mlp", "--lm-batch", "4"],
+    "gpu": ["--device", "cpu", "--tiny", "--pairs", "1", "--steps", "1", "--warmup", "2"],
     "io": [
         "--world", "2", "--group-sizes", "2", "--storage", "parallel", "--pairs", "1",
         "--samples", "8", "--batch", "4", "--floats", "4", "--read-ms", "0",
