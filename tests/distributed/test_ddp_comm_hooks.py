@@ -5,9 +5,13 @@ SGD steps the parameters of both engines are ``torch.equal`` on every rank, for 
 ``allreduce_hook``, ``fp16_compress_hook``, ``bf16_compress_hook``, the fp16/bf16 wrappers around
 ``allreduce_hook`` (which need ``GradBucket.set_buffer`` to replace the buffer), ``noop_hook`` and
 ``post_localSGD_hook`` with torch's ``PeriodicModelAverager``, each with the default buckets and
-with many small ones; and ``powerSGD_hook`` with the default buckets, three runs. tandem's own
-fp16 and bf16 hooks give torch's hooks' bits at world size 1 too (nothing is sent, but both
-round the gradients through the low dtype).
+with many small ones; and ``powerSGD_hook`` with the default buckets, three runs, alone and
+inside torch's ``fp16_compress_wrapper`` and ``bf16_compress_wrapper`` (PowerSGD then works on
+``bucket.gradients()`` of the float16 / bfloat16 buffer the wrapper set, which must be views of
+that buffer, as torch's are; the wrapped runs differ from the unwrapped one, so the low dtype was
+used). tandem's own fp16 and bf16 hooks give torch's hooks' bits at world size 1 too (nothing is
+sent, but both round the gradients through the low dtype). In one process: after
+``set_buffer``, ``gradients()`` are views of the new buffer, in its dtype and shapes.
 
 Where torch's DDP cannot run on Gloo (PowerSGD over several buckets issues collectives from two
 threads), tandem must: it runs, every rank ends with the same parameters, and the result is as
@@ -77,10 +81,17 @@ def _hook(name: str):
             )
 
         return post_localSGD_hook.post_localSGD_hook, state, True
-    if name in ("powersgd", "batched_powersgd"):
+    if name in ("powersgd", "batched_powersgd", "powersgd_fp16_wrapper", "powersgd_bf16_wrapper"):
         hook = powerSGD_hook.powerSGD_hook
         if name == "batched_powersgd":
             hook = powerSGD_hook.batched_powerSGD_hook
+        if name.endswith("_wrapper"):
+            wrap = getattr(default_hooks, f"{name[9:13]}_compress_wrapper")(hook)
+
+            # torch's DDP refuses bf16 wrappers by name off CUDA+NCCL: called through this
+            # function they run on Gloo (both engines get the same function).
+            def hook(state, bucket):
+                return wrap(state, bucket)
 
         def state():
             return powerSGD_hook.PowerSGDState(
@@ -154,6 +165,43 @@ def test_powersgd_equals_torch_ddp(run):
     results = run_ranks(_parity, 2, args=("powersgd", None), timeout=120)
     for rank, result in enumerate(results):
         assert result["equal"], (rank, result["diff"])
+
+
+def _wrapped_powersgd(hook_name: str) -> dict:
+    result = _parity(hook_name, None)
+    plain = _train("tandem", "powersgd", None)
+    result["differs_from_unwrapped"] = not all(
+        torch.equal(a, b) for a, b in zip(result["params"], plain.parameters(), strict=True)
+    )
+    return result
+
+
+@pytest.mark.parametrize("hook_name", ["powersgd_fp16_wrapper", "powersgd_bf16_wrapper"])
+def test_powersgd_in_compress_wrappers_equals_torch_ddp(hook_name):
+    # The wrapper sets a float16 (bfloat16) buffer; PowerSGD computes on bucket.gradients().
+    # Views of the float32 buffer there failed in tandem ("expected scalar type Float but
+    # found Half"); torch's are views of the buffer set.
+    results = run_ranks(_wrapped_powersgd, 2, args=(hook_name,), timeout=120)
+    for rank, result in enumerate(results):
+        assert result["equal"], (rank, result["diff"])
+        assert result["differs_from_unwrapped"], rank
+    for a, b in zip(results[0]["params"], results[1]["params"], strict=True):
+        assert torch.equal(a, b)
+
+
+def test_gradients_are_views_of_the_buffer_set():
+    flat = torch.arange(10.0)
+    views = [flat[:6].view(2, 3), flat[6:].view(4)]
+    bucket = comm_hooks.GradBucket(0, flat, [torch.zeros(2, 3), torch.zeros(4)], views, True)
+    assert bucket.gradients()[0] is views[0]  # unchanged buffer: the bucket's own views
+    half = flat.half()
+    bucket.set_buffer(half)
+    grads = bucket.gradients()
+    assert [g.dtype for g in grads] == [torch.float16] * 2
+    assert [g.shape for g in grads] == [(2, 3), (4,)]
+    grads[1].fill_(-1)  # written through into the buffer set
+    assert torch.equal(half[6:], torch.full((4,), -1.0, dtype=torch.float16))
+    assert torch.equal(grads[0], flat[:6].view(2, 3).half())
 
 
 def _powersgd_beyond_torch(hook_name: str) -> dict:

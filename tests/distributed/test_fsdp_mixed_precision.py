@@ -34,6 +34,12 @@ one Parameter, kept by the root in both). Proven at world size 2, 10 steps:
   the uninterrupted run, and ``gathered()`` shows the float32 values, not the bfloat16 copies.
 - a policy that differs across ranks raises a ValueError on every rank naming both, instead of
   all-gathers of different dtypes.
+- ``set_mixed_precision(policy)`` on a wrapper built without one (what the Trainer does for
+  its mixed precisions) trains as the wrapper built with it: bitwise FSDP2's, stages 3 and 2
+  (stage 2's gathered float32 parameters are cast at the call, so its first forward gathers
+  nothing), both models; ``set_mixed_precision(None)`` afterwards gathers float32 again. A
+  policy set differently across ranks is a ValueError on every rank; the call between a
+  forward and its backward is a RuntimeError on every rank, and the wrapper trains on after it.
 
 Every configuration here runs under torch's ``fully_shard`` on CPU, so no hand-computed
 reference is needed in processes; the one-process reference with the same casts is
@@ -127,6 +133,9 @@ RUNS = {
     "reduce-bf16": ({"param_dtype": BF16}, "mlp", 3, "adamw", None),
     "output-fp32": ({**MAIN, "output_dtype": FP32}, "tied", 3, "adamw", None),
     "fp16": ({"param_dtype": FP16, "reduce_dtype": FP32}, "mlp", 3, "sgd", None),
+    # built without a policy, given one by set_mixed_precision() before the first step
+    "late-stage3": (MAIN, "mlp", 3, "adamw", None),
+    "late-stage2-tied": ({"param_dtype": BF16}, "tied", 2, "sgd", None),
 }
 
 
@@ -157,7 +166,7 @@ class _Wire:
         return [(dtype, size) for o, dtype, size in self.sent if o == op]
 
 
-def _pair(fields: dict, case: str, stage: int, mesh, mixed: bool = True):
+def _pair(fields: dict, case: str, stage: int, mesh, mixed: bool = True, late: bool = False):
     """tandem's and FSDP2's wrapping of the same model, with the same policy on every unit;
     tandem gets torch's policy object and its own by turns (both accepted)."""
     cls, wrapped, _, _ = CASES[case]
@@ -165,8 +174,13 @@ def _pair(fields: dict, case: str, stage: int, mesh, mixed: bool = True):
     picked = {id(picked_net.get_submodule(name)) for name in wrapped}
     policy = (TorchPolicy if stage == 3 else MixedPrecisionPolicy)(**fields) if mixed else None
     ours = FSDP(
-        picked_net, stage=stage, auto_wrap=lambda m: id(m) in picked, mixed_precision=policy
+        picked_net,
+        stage=stage,
+        auto_wrap=lambda m: id(m) in picked,
+        mixed_precision=None if late else policy,
     )
+    if late:
+        ours.set_mixed_precision(policy)
     theirs = seeded(cls, seed=3)
     # tandem casts to output_dtype the model's outputs only: FSDP2 with it on the root only
     inner = {k: v for k, v in fields.items() if k != "output_dtype"}
@@ -206,7 +220,7 @@ class _nothing:
 
 def _run(name: str, mesh) -> dict:
     fields, case, stage, optimizer, accumulate = RUNS[name]
-    ours, theirs = _pair(fields, case, stage, mesh)
+    ours, theirs = _pair(fields, case, stage, mesh, late=name.startswith("late"))
     cls, kwargs = OPTIMIZERS[optimizer]
     our_opt, their_opt = cls(ours.parameters(), **kwargs), cls(theirs.parameters(), **kwargs)
     steps = []
@@ -298,6 +312,36 @@ def _disagreement() -> str | None:
     return refused(lambda: FSDP(seeded(MLP), mixed_precision=policy))
 
 
+def _set_later(mesh) -> dict:
+    """set_mixed_precision(): refused across differing ranks and inside a step; None undoes."""
+    out = {}
+    model, _ = _pair(MAIN, "mlp", 3, mesh, mixed=False)
+    other = {"param_dtype": BF16 if dist.get_rank() == 0 else FP16}
+    out["differing"] = refused(model.set_mixed_precision, other)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = _floats(0)
+    loss = F.mse_loss(model(x), y)  # its backward is pending
+    try:
+        model.set_mixed_precision(MAIN)
+        out["mid_step"] = None
+    except RuntimeError as e:
+        out["mid_step"] = str(e)
+    loss.backward()
+    opt.step()
+    model.set_mixed_precision(MAIN)
+    with _Wire() as wire:
+        _step(model, opt, "mlp", 1, None, ours=True)
+    model.set_mixed_precision(None)
+    with _Wire() as plain:
+        _step(model, opt, "mlp", 2, None, ours=True)
+    out["gathered"] = (
+        sorted({str(d) for d, _ in wire.of("all_gather")}),
+        sorted({str(d) for d, _ in plain.of("all_gather")}),
+    )
+    out["policy"] = repr(model.mixed_precision)
+    return out
+
+
 def _all() -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -308,6 +352,7 @@ def _all() -> dict:
     out["bytes"] = _bytes(mesh)
     out["resume"] = _resume(mesh)
     out["disagreement"] = _disagreement()
+    out["set_later"] = _set_later(mesh)
     return out
 
 
@@ -353,3 +398,13 @@ def test_policy_differing_across_ranks_raises_everywhere(results):
         message = r["disagreement"]
         assert message is not None and "mixed precision differs" in message, (rank, message)
         assert "bfloat16" in message and "float16" in message, (rank, message)
+
+
+def test_set_mixed_precision_refusals_and_undo(results):
+    for rank, r in enumerate(results):
+        t = r["set_later"]
+        assert t["differing"] is not None and "mixed precision differs" in t["differing"], t
+        assert "bfloat16" in t["differing"] and "float16" in t["differing"], t
+        assert t["mid_step"] is not None and "between optimizer steps" in t["mid_step"], t
+        assert t["gathered"] == (["torch.bfloat16"], ["torch.float32"]), (rank, t)
+        assert t["policy"] == "None", (rank, t)

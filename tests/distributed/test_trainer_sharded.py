@@ -18,8 +18,8 @@ Proven:
   next step equals the plain model's;
 - a sharded checkpoint writes one file per rank, recorded by digest in rank 0's file; a
   truncated shard makes resuming raise CheckpointError on both ranks naming that file;
-- ``checkpoint_format="sharded"`` with nothing sharded, and a GradScaler with FSDP, are
-  ValueErrors.
+- ``checkpoint_format="sharded"`` with nothing sharded, and a plain GradScaler with FSDP (not
+  torch's ShardedGradScaler), are ValueErrors.
 """
 
 from __future__ import annotations

@@ -53,7 +53,9 @@ class GradBucket:
         self._index = index
         self._buffer = buffer
         self._parameters = parameters
+        # The views of ``buffer``; after set_buffer() they are cut anew from the new buffer.
         self._gradients = gradients
+        self._views_of: torch.Tensor = buffer
         self._is_last = is_last
 
     def index(self) -> int:
@@ -69,7 +71,25 @@ class GradBucket:
         return self._parameters
 
     def gradients(self) -> list[torch.Tensor]:
-        """One view of ``buffer()`` per parameter, shaped like the parameter."""
+        """One view of ``buffer()`` per parameter, shaped like the parameter.
+
+        Views of the buffer as it is now, as torch's ``GradBucket.gradients()`` are: after
+        :meth:`set_buffer` they are views of the new buffer, in its dtype. A hook that works
+        on them in place (PowerSGD writes its low-rank approximations into them) therefore
+        writes into the buffer it returns.
+
+        Example::
+
+            bucket.set_buffer(bucket.buffer().to(torch.float16))
+            assert bucket.gradients()[0].dtype == torch.float16   # views of the new buffer
+        """
+        if self._views_of is not self._buffer:
+            # Back to back from offset 0, as in the bucket (torch cuts them the same way).
+            views, offset = [], 0
+            for g in self._gradients:
+                views.append(self._buffer.narrow(0, offset, g.numel()).view(g.shape))
+                offset += g.numel()
+            self._gradients, self._views_of = views, self._buffer
         return self._gradients
 
     def is_last(self) -> bool:
@@ -80,9 +100,15 @@ class GradBucket:
         """Make ``tensor`` this bucket's buffer, as torch's ``GradBucket.set_buffer`` does.
 
         The buffer is replaced, not written into: after ``set_buffer(buf.half())``,
-        ``buffer()`` is that float16 tensor, so a hook wrapped by ``fp16_compress_wrapper``
-        divides and sums in float16, as it does under torch's DDP. The reducer copies the
-        future's result back into the gradients whatever its dtype.
+        ``buffer()`` is that float16 tensor and ``gradients()`` are views of it, so a hook
+        wrapped by ``fp16_compress_wrapper`` (``allreduce_hook``, ``powerSGD_hook``) computes
+        and sums in float16, as it does under torch's DDP. The reducer copies the future's
+        result back into the gradients whatever its dtype.
+
+        Example::
+
+            wrapped = fp16_compress_wrapper(powerSGD_hook)   # torch's default_hooks
+            model.register_comm_hook(PowerSGDState(process_group=None), wrapped)
         """
         self._buffer = tensor
 

@@ -241,6 +241,35 @@ class ShardedEngine(Engine):
         return self.fsdp.full_state_dict(to)
 
 
+def check_scaler(model: nn.Module, scaler: Any) -> None:
+    """Raise unless ``scaler`` (a ``torch.amp.GradScaler`` or None) fits ``model``: with a
+    FullyShardedDataParallel model it must be torch's ``ShardedGradScaler``.
+
+    A plain GradScaler looks for inf and nan in this rank's gradients only, which under FSDP
+    are this rank's shards: one rank could find an overflow and skip the step while the others
+    take it, and their scales part. ``ShardedGradScaler`` sums the ranks' findings (one
+    all-reduce) before any of them decides. It works with tandem.DDP too.
+
+    Example::
+
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+        check_scaler(fsdp_model, ShardedGradScaler("cuda"))           # fine
+        check_scaler(fsdp_model, torch.amp.GradScaler("cuda"))        # ValueError
+    """
+    if scaler is None or not isinstance(model, FullyShardedDataParallel):
+        return
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    if not isinstance(scaler, ShardedGradScaler):
+        raise ValueError(
+            f"scaler={type(scaler).__name__} with a FullyShardedDataParallel model: a "
+            "GradScaler sees only this rank's gradient shards, so ranks could disagree on "
+            "skipping a step; pass torch.distributed.fsdp.sharded_grad_scaler."
+            "ShardedGradScaler(device, init_scale=...), which agrees across ranks (the Trainer "
+            "makes one for precision='fp16-mixed' when scaler= is left unset)"
+        )
+
+
 def make_engine(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -254,8 +283,7 @@ def make_engine(
 
     A model already wrapped (tandem.DDP or tandem.FullyShardedDataParallel) is used as it is.
     Checked first, on every rank alike: that ``checkpoint_format`` fits the set-up, and that a
-    ``scaler`` is not combined with FSDP (a GradScaler sees only this rank's gradient shards, so
-    ranks could disagree on skipping a step).
+    ``scaler`` fits the model (:func:`check_scaler`).
 
     Example::
 
@@ -263,13 +291,8 @@ def make_engine(
         engine = make_engine(net.to(tandem.world().device), opt)   # tandem.DDP when world > 1
         engine.model(x)
     """
+    check_scaler(model, scaler)
     if isinstance(model, FullyShardedDataParallel):
-        if scaler is not None:
-            raise ValueError(
-                "scaler with a FullyShardedDataParallel model: a GradScaler sees only this "
-                "rank's gradient shards, so ranks could disagree on skipping a step; train "
-                "in bfloat16 autocast without a scaler, or with tandem.DDP"
-            )
         sharded: Engine = ShardedEngine(model, optimizer)
         sharded.check(checkpoint_format)
         return sharded

@@ -216,6 +216,34 @@ class FlatUnit:
         # no_sync: the flat gradients of the micro-steps not reduced yet, summed.
         self.unsynced: torch.Tensor | None = None
 
+    def set_dtypes(self, param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None) -> None:
+        """Gather in ``param_dtype`` and reduce in ``reduce_dtype`` from now on (None: as in
+        the constructor); between steps only, with no gradient kept back (``no_sync``).
+
+        ``full`` is made anew in the new dtype, and the module attributes become views of it:
+        still current (stage 2) when it held the shards' own values, which cast element by
+        element are what an all-gather of the cast shards gives; otherwise freed, to be
+        gathered by the next forward.
+        """
+        assert self.unsynced is None, "set_dtypes with gradients kept back by no_sync"
+        new_param = param_dtype or self.shard.dtype
+        current = self.is_current and not self.mixed
+        old = self.full
+        if self._gathering is not None:
+            self._wait_gathering()
+        self.param_dtype = new_param
+        self.reduce_dtype = reduce_dtype or new_param
+        self._exact = None
+        if current:
+            self.full = old.to(new_param)  # old itself when the dtype is the same
+        else:
+            self.full = torch.empty(self.padded, dtype=new_param, device=self.shard.device)
+            self.full.untyped_storage().resize_(0)
+            self._gathered_version = None
+        if self.full is not old:
+            old.untyped_storage().resize_(0)
+        self.attach(requires_grad=False)
+
     def _flatten(
         self, values: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device | None
     ) -> torch.Tensor:

@@ -55,7 +55,7 @@ from tandem.parallel.flat import FlatUnit
 from tandem.parallel.fsdp_hooks import Hooks
 from tandem.parallel.fsdp_layout import FsdpLayout, PlainNames
 from tandem.parallel.fsdp_precision import MixedPrecisionPolicy
-from tandem.parallel.fsdp_units import AutoWrap, plan_agreed
+from tandem.parallel.fsdp_units import AutoWrap, agree_on_policy, check_fits, plan_agreed
 from tandem.parallel.grad_norm import clip_sharded_grad_norm_
 from tandem.parallel.replicas import broadcast_coalesced, verify_same_model
 
@@ -220,6 +220,46 @@ class FullyShardedDataParallel(nn.Module):
             yield
         finally:
             self._hooks.sync = before
+
+    # -- mixed precision -----------------------------------------------------------------------
+
+    def set_mixed_precision(self, mixed_precision: MixedPrecisionPolicy | Any | None) -> None:
+        """Gather, compute and reduce in ``mixed_precision``'s dtypes from the next forward on,
+        as if the wrapper had been built with it (a collective: every rank calls it alike).
+
+        What ``mixed_precision=`` of the constructor takes (None: no mixed precision). Call it
+        between steps: not inside forward or backward, nor while ``no_sync()`` keeps gradients
+        back. The shards, and so the optimizer over them, are untouched: they stay the float32
+        master weights. The :class:`tandem.Trainer` calls it for ``precision="bf16-mixed"``
+        and ``"fp16-mixed"`` on a wrapper built without a policy (Lightning's FSDP precision).
+
+        Raises:
+            ValueError: on every rank, if the policy differs across ranks, is not a policy, or
+                does not fit the model (parameters not float32, frozen ones of another dtype).
+            RuntimeError: a forward's backward, or a no_sync gradient, is still pending.
+
+        Example::
+
+            model = tandem.FullyShardedDataParallel(net, auto_wrap={Block})
+            model.set_mixed_precision(tandem.MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+            loss_fn(model(x), y).backward()          # gathered in bfloat16, reduced in bfloat16
+        """
+        hooks = self._hooks
+        busy = hooks.pending or hooks.callback_queued or any(hooks.uses.values())
+        if busy or any(u.unsynced is not None for u in self.units):
+            raise RuntimeError(
+                "set_mixed_precision() inside a step: a forward's backward, or gradients kept "
+                "back by no_sync(), are pending; call it between optimizer steps"
+            )
+        wrapper = "tandem.FullyShardedDataParallel.set_mixed_precision"
+        policy = agree_on_policy(mixed_precision, self.process_group, wrapper)
+        if policy is not None:
+            trainable = [(e.fqn, u.shard) for u in self.units for e in u.entries]
+            check_fits(policy, self.module, trainable)
+        dtypes = (None, None) if policy is None else (policy.param_dtype, policy.reduce_dtype)
+        for unit in self.units:
+            unit.set_dtypes(*dtypes)
+        self.mixed_precision = hooks.policy = policy
 
     # -- whole parameters ----------------------------------------------------------------------
 

@@ -15,9 +15,10 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -167,13 +168,49 @@ def plan_agreed(
     assert planned is not None  # a rank without a plan raised above
     if policy is not None:  # the same model on every rank (verified): the same error on each
         trainable = [(fqn, p) for _, _, params in planned for fqn, _, p in params]
-        frozen = [
-            name
-            for name, p in module.named_parameters()
-            if not p.requires_grad and p.is_floating_point() and p.dtype != policy.param_dtype
-        ]
-        check_parameters(policy, trainable, frozen)
+        check_fits(policy, module, trainable)
     return planned, policy
+
+
+def check_fits(
+    policy: MixedPrecisionPolicy, module: nn.Module, trainable: Sequence[tuple[str, torch.Tensor]]
+) -> None:
+    """:func:`check_parameters` of ``module``: ``trainable`` are the ``(name, tensor)`` the
+    units flatten, the frozen ones found in ``module`` (its remaining parameters)."""
+    frozen = [
+        name
+        for name, p in module.named_parameters()
+        if not p.requires_grad and p.is_floating_point() and p.dtype != policy.param_dtype
+    ]
+    check_parameters(policy, trainable, frozen)
+
+
+def agree_on_policy(
+    value: Any, group: dist.ProcessGroup | None, wrapper: str
+) -> MixedPrecisionPolicy | None:
+    """``value`` as a policy (:func:`resolve_policy`), the same on every rank; else ValueError
+    on every rank (a rank whose value is refused joins the comparison, then raises its own)."""
+    refused: ValueError | None = None
+    policy = None
+    try:
+        policy = resolve_policy(value)
+        described = repr(policy) if policy is not None else ""
+    except ValueError as error:
+        refused, described = error, f"refused ({error})"
+    try:
+        agree(
+            described,
+            f"{wrapper}: the mixed precision",
+            group,
+            explain=lambda all_: "; ".join(f"rank {r}: {p or 'none'}" for r, p in enumerate(all_)),
+            fix="Pass the same mixed_precision on every rank (it decides the collectives' dtypes)",
+        )
+    except ValueError:
+        if refused is None:
+            raise
+    if refused is not None:
+        raise refused
+    return policy
 
 
 def first_unit_difference(layouts: list[Any]) -> str:

@@ -16,15 +16,34 @@ before backward. The scaler does that, unscales before the optimizer step, and s
 (lowering the scale) when the gradients hold inf or nan. bfloat16 has float32's exponent
 range, so it needs no scaler.
 
-Autocast's device type is the run's device (``tandem.world().device``). With a
-:class:`tandem.FullyShardedDataParallel` model the mixed precisions are autocast around forward
-and loss, nothing more: how the wrapper gathers parameters and reduces gradients is the
-wrapper's own setting. fp16 with FSDP is refused: a GradScaler sees only this rank's gradient
-shards, so the ranks could disagree on skipping a step.
+Autocast's device type is the run's device (``tandem.world().device``).
+
+With a :class:`tandem.FullyShardedDataParallel` model the mixed precisions also set the
+wrapper's mixed precision, as Lightning's ``FSDPPrecision`` sets FSDP's: parameters gathered,
+and gradients reduce-scattered, in the low dtype (:attr:`Precision.fsdp_policy`):
+
+==============  ===============  ================  =====================================
+name            ``param_dtype``  ``reduce_dtype``  scaler
+==============  ===============  ================  =====================================
+``bf16-mixed``  bfloat16         bfloat16          none
+``fp16-mixed``  float16          float16           torch's ``ShardedGradScaler``
+==============  ===============  ================  =====================================
+
+The shards, which the optimizer steps, stay float32 (the master weights, and so the optimizer
+state); forward and loss still run under autocast. Lightning's ``buffer_dtype`` has no
+counterpart: the policy is torch FSDP2's, which has none, and buffers keep their dtype. A
+wrapper built with a ``mixed_precision`` policy of its own keeps it (as Lightning lets the
+strategy's ``mixed_precision`` win); ``mixed_precision=tandem.MixedPrecisionPolicy()`` (no
+dtypes) asks for autocast alone. Under fp16 a plain ``GradScaler`` would see only this rank's
+gradient shards, so ranks could disagree on skipping a step: the scaler made for an FSDP model
+is ``torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler``, which sums the inf/nan
+flags of all ranks before deciding, and a scaler passed in must be one
+(:func:`tandem.parallel.engine.check_scaler`, the one rule).
 
 Example::
 
     precision, scaler = resolve_precision("bf16-mixed", None, model, torch.device("cpu"))
+    precision.convert_module(model)     # an FSDP model: gathers and reduces in bfloat16
     with precision.autocast():
         loss = loss_fn(model(x), y)
 """
@@ -40,7 +59,9 @@ from torch import nn
 
 from tandem._tree import to_device
 from tandem.parallel.ddp import DistributedDataParallel
+from tandem.parallel.engine import check_scaler
 from tandem.parallel.fsdp import FullyShardedDataParallel
+from tandem.parallel.fsdp_precision import MixedPrecisionPolicy
 
 PRECISIONS = ("32-true", "bf16-mixed", "fp16-mixed", "bf16-true")
 
@@ -56,6 +77,8 @@ class Precision:
         precision = Precision("bf16-true", "cpu")
         precision.convert_module(model)            # floating parameters and buffers: bf16
         batch = precision.move(batch, device)      # floating tensors too
+
+        Precision("bf16-mixed", "cpu").fsdp_policy  # param_dtype=reduce_dtype=bfloat16
     """
 
     name: str
@@ -65,6 +88,18 @@ class Precision:
     def autocast_dtype(self) -> torch.dtype | None:
         """The dtype of autocast regions (mixed precisions), else None."""
         return _AUTOCAST.get(self.name)
+
+    @property
+    def fsdp_policy(self) -> MixedPrecisionPolicy | None:
+        """The mixed precision an FSDP model gets (mixed precisions), else None.
+
+        Lightning's ``FSDPPrecision.mixed_precision_config``: parameters gathered and gradients
+        reduced in the autocast dtype (``param_dtype = reduce_dtype``), float32 shards.
+        """
+        dtype = self.autocast_dtype
+        if dtype is None:
+            return None
+        return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)
 
     @property
     def float_dtype(self) -> torch.dtype | None:
@@ -84,16 +119,43 @@ class Precision:
         return to_device(batch, device, self.float_dtype)
 
     def convert_module(self, model: nn.Module) -> None:
-        """Under ``bf16-true`` cast the floating parameters and buffers to bfloat16, in place.
+        """Under ``bf16-true`` cast the floating parameters and buffers to bfloat16, in place;
+        under the mixed precisions give an FSDP model built without a policy
+        :attr:`fsdp_policy` (a collective then: every rank calls it).
 
         The parameters stay the same objects (``nn.Module.to`` swaps their data), so an
         optimizer built over them before still holds them. A model already wrapped in tandem.DDP
         or FSDP must hold bfloat16 parameters already: the wrappers laid out their buffers for
-        the dtype they were given.
+        the dtype they were given. An FSDP model keeps its shards, and the optimizer over them,
+        in float32 under the mixed precisions too.
 
         Raises:
-            ValueError: a wrapped model with floating parameters of another dtype.
+            ValueError: a wrapped model with floating parameters of another dtype (bf16-true);
+                an FSDP model the policy does not fit (mixed: parameters not float32, frozen
+                parameters of another dtype), on every rank.
+
+        Example::
+
+            model = tandem.FullyShardedDataParallel(net, auto_wrap={Block})
+            Precision("bf16-mixed", "cuda").convert_module(model)
+            model.mixed_precision      # MixedPrecisionPolicy(param_dtype=bfloat16, ...)
         """
+        policy = self.fsdp_policy
+        if (
+            policy is not None
+            and isinstance(model, FullyShardedDataParallel)
+            and model.mixed_precision is None
+        ):
+            try:
+                model.set_mixed_precision(policy)
+            except ValueError as error:
+                raise ValueError(
+                    f"precision={self.name!r} with a FullyShardedDataParallel model gathers its "
+                    f"parameters and reduces its gradients in {policy.param_dtype} (as "
+                    f"Lightning's FSDP precision does), but: {error}. To run forward and loss "
+                    "under autocast alone, build the wrapper with "
+                    "mixed_precision=tandem.MixedPrecisionPolicy() (no dtypes)"
+                ) from error
         dtype = self.float_dtype
         if dtype is None:
             return
@@ -122,16 +184,20 @@ def resolve_precision(
 
     The rule: ``precision=None`` is ``"32-true"``, or ``"fp16-mixed"`` when a ``scaler`` is
     given (the user's scaler is then the run's); ``"fp16-mixed"`` without one makes
-    ``torch.amp.GradScaler(device.type)``; a scaler with any other precision is an error, as a
-    scaler has nothing to do outside float16. Deterministic: every rank decides alike.
+    ``torch.amp.GradScaler(device.type)``, or for a FullyShardedDataParallel model torch's
+    ``ShardedGradScaler(device.type, process_group=model.process_group)``, which agrees across
+    ranks on skipping a step; a scaler with any other precision is an error, as a scaler has
+    nothing to do outside float16. Deterministic: every rank decides alike.
 
     Raises:
         ValueError: an unknown name (the valid ones listed), a scaler with another precision,
-            or float16 with a FullyShardedDataParallel model.
+            or a plain GradScaler with a FullyShardedDataParallel model
+            (:func:`tandem.parallel.engine.check_scaler`).
 
     Example::
 
         precision, scaler = resolve_precision("fp16-mixed", None, model, torch.device("cuda"))
+        # an FSDP model: scaler is a ShardedGradScaler
     """
     name = precision if precision is not None else "fp16-mixed" if scaler is not None else "32-true"
     if name not in PRECISIONS:
@@ -144,14 +210,14 @@ def resolve_precision(
             "precision='fp16-mixed' (pass that, or leave precision unset, to train with your "
             "scaler; or drop the scaler)"
         )
-    if name == "fp16-mixed" and isinstance(model, FullyShardedDataParallel):
-        raise ValueError(
-            "precision='fp16-mixed' with a FullyShardedDataParallel model: a GradScaler sees "
-            "only this rank's gradient shards, so ranks could disagree on skipping a step; use "
-            "precision='bf16-mixed' (no scaler needed), or tandem.DDP"
-        )
     if name == "fp16-mixed" and scaler is None:
-        scaler = torch.amp.GradScaler(device.type)
+        if isinstance(model, FullyShardedDataParallel):
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            scaler = ShardedGradScaler(device.type, process_group=model.process_group)
+        else:
+            scaler = torch.amp.GradScaler(device.type)
+    check_scaler(model, scaler)
     return Precision(name, device.type), scaler
 
 

@@ -132,11 +132,15 @@ class Trainer(Boundaries):
             (:mod:`tandem.train.precision`). Mixed: forward and loss under ``torch.autocast``
             on the run's device (evaluation too); fp16 with a GradScaler made for you, saved
             with checkpoints, its skipped steps counted (:attr:`skipped_steps`). bf16-true:
-            floating parameters, buffers and batch tensors in bfloat16. With an FSDP model a
-            mixed precision is autocast only: the wrapper gathers and reduces in its own
-            dtypes. Default ``"32-true"``, or ``"fp16-mixed"`` when ``scaler`` is given.
+            floating parameters, buffers and batch tensors in bfloat16. With an FSDP model
+            built without a ``mixed_precision`` policy, a mixed precision also gathers the
+            parameters and reduces the gradients in its low dtype (float32 shards and
+            optimizer state; Lightning's FSDP precision), and fp16's scaler is torch's
+            ``ShardedGradScaler``, which agrees across ranks on skipping a step. Default
+            ``"32-true"``, or ``"fp16-mixed"`` when ``scaler`` is given.
         scaler: your own ``torch.amp.GradScaler`` for ``"fp16-mixed"`` (another
-            ``init_scale``, say); with any other precision a ValueError.
+            ``init_scale``, say; a ``ShardedGradScaler`` with an FSDP model); with any other
+            precision a ValueError.
         clip_grad_norm: before every optimizer step, clip the gradient to this norm over all
             parameters of all ranks and shards (after unscaling under fp16), as
             ``torch.nn.utils.clip_grad_norm_`` on one process; see :attr:`last_grad_norm`.
