@@ -106,6 +106,8 @@ def init(
         hang_report_after: seconds a collective may block before every rank is asked where it
             is and a report names the ranks that never arrived (``tandem.doctor.hang``);
             default 60, or ``TANDEM_HANG_REPORT_AFTER`` (``tandem run --hang-report-after``).
+            A collective ``timeout`` shorter than twice that brings the report forward to half
+            the timeout, so that the laggard is named before the timeout ends the job.
         rendezvous_timeout: seconds the processes wait for each other at the start (default
             60, or ``TANDEM_RENDEZVOUS_TIMEOUT``): a rank that never arrives, a RANK given
             twice, a WORLD_SIZE that differs or a busy port fails every rank by then
@@ -194,6 +196,7 @@ def init(
                     or 0
                 ),
                 store_timeout=delta,
+                numbered_by_hand=_numbered_by_hand(placement),
             )
         dist.init_process_group(
             backend,
@@ -247,6 +250,11 @@ def shutdown() -> None:
 
     Safe to call twice and with no group; a group the user created is left alone.
 
+    Raises:
+        RendezvousError: a process with a RANK of this job checked in after the job formed (a
+            RANK given twice), on every rank (:func:`tandem.launch.meeting.check_out`); the
+            group is destroyed all the same.
+
     Example::
 
         tandem.init()
@@ -258,11 +266,17 @@ def shutdown() -> None:
     import torch.distributed as dist
 
     global _current, _owns_group
-    if _owns_group and _group_exists():
-        _meet_before_teardown(dist)
-        dist.destroy_process_group()
-    _current, _owns_group = None, False
-    meeting.joined = None  # its store goes with the group
+    try:
+        if _owns_group and _group_exists():
+            _meet_before_teardown(dist)
+            try:
+                # A RANK given twice fails every rank, however short the job (see meeting).
+                meeting.check_out(dist.get_rank(), dist.get_world_size())
+            finally:
+                dist.destroy_process_group()
+    finally:
+        _current, _owns_group = None, False
+        meeting.joined = None  # its store goes with the group
 
 
 def _meet_before_teardown(dist: Any) -> None:
@@ -277,6 +291,15 @@ def _meet_before_teardown(dist: Any) -> None:
         return
     with contextlib.suppress(RuntimeError):
         dist.monitored_barrier(timeout=timedelta(seconds=60))
+
+
+def _numbered_by_hand(placement: Placement) -> bool:
+    """Whether the processes got their RANK by hand, not from a launcher that numbers them once
+    each (torchrun and ``tandem run`` set TORCHELASTIC_RUN_ID, ``tandem.spawn`` TANDEM_SPAWN;
+    srun and mpirun number their tasks)."""
+    if placement.source in ("slurm", "openmpi"):
+        return False
+    return not (os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("TANDEM_SPAWN"))
 
 
 def _group_exists() -> bool:

@@ -32,9 +32,12 @@ DONE_WITHIN_S = TIMEOUT_S + 20.0
 pytestmark = pytest.mark.timeout(120)
 
 
-def _start(rank: int, world_size: int, port: int, **extra: str) -> subprocess.Popen:
+def _start(
+    rank: int, world_size: int, port: int, stdin: int | None = None, **extra: str
+) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC", "TANDEM"))}
     env.update(
+        TANDEM_REPORT_DIR=os.environ["TANDEM_REPORT_DIR"],  # hang reports: not in the checkout
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
         RANK=str(rank),
@@ -45,6 +48,7 @@ def _start(rank: int, world_size: int, port: int, **extra: str) -> subprocess.Po
     return subprocess.Popen(
         [sys.executable, str(WORKER)],
         env=env,
+        stdin=stdin,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -126,6 +130,63 @@ def test_a_rank_registered_twice_is_named_with_both_pids():
     _all_fail_with(results, "rank 1 checked in twice: pids")
     for _, text in results:
         assert all(pid in text for pid in pids), text
+
+
+@pytest.mark.parametrize("twice", [0, 1])
+def test_a_rank_given_twice_fails_every_process_every_time(twice):
+    """Three processes for WORLD_SIZE=2, one RANK given twice (0: the second rank 0 finds the
+    port taken by the first one's store and checks in there; 1: both check in), started by hand
+    and each calling tandem.init() and one all-reduce: every process exits non-zero naming the
+    duplicate and both pids, whatever the order of arrival. Three jobs, each started once its
+    processes have imported torch: two released together (any of the three may be left out of
+    the first two to arrive: a verdict at the rendezvous, or a duplicate that finds the job
+    formed) and one whose duplicate comes 0.5 s later (always after the job formed: the job, one
+    all-reduce long, fails at tandem.shutdown())."""
+    ranks = [0, 1, twice]
+    for stagger in (0.0, 0.0, 0.5):
+        port = free_port()
+        job = [_start(r, 2, port, stdin=subprocess.PIPE, GO="1") for r in ranks]
+        for proc in job:
+            assert proc.stdout is not None
+            assert proc.stdout.readline().strip() == "imported"
+        for i, proc in enumerate(job):
+            if i == 2:
+                time.sleep(stagger)
+            assert proc.stdin is not None
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+        pids = [str(p.pid) for p, r in zip(job, ranks, strict=True) if r == twice]
+        for code, text in _finish(job):
+            # Non-zero: 3 from the worker, or 1 where the doctor ends a process whose collective
+            # the error interrupted (it cannot complete).
+            assert code != 0, text
+            ours = [line for line in text.strip().splitlines() if _OURS.match(line)]
+            said = ours[-1] if ours else ""
+            assert f"RendezvousError: rank {twice} checked in twice: pids" in said, text
+            assert all(pid in said for pid in pids), text
+
+
+def test_a_script_without_shutdown_checks_out_at_exit():
+    """The same late duplicate (RANK=1, 0.5 s after the others) for a script that never calls
+    tandem.shutdown(): the two that formed finished their work, and fail at exit (status 1)
+    with the error; the duplicate fails at once."""
+    port = free_port()
+    job = [_start(r, 2, port, stdin=subprocess.PIPE, GO="1", NO_SHUTDOWN="1") for r in (0, 1, 1)]
+    for proc in job:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "imported"
+    for i, proc in enumerate(job):
+        if i == 2:
+            time.sleep(0.5)
+        assert proc.stdin is not None
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+    results = _finish(job)
+    said = "RendezvousError: rank 1 checked in twice: pids"
+    for code, text in results[:2]:
+        assert code == 1 and "ok 2.0 (no shutdown)" in text, text
+        assert f"tandem: {said}" in text and str(job[2].pid) in text, text
+    assert results[2][0] == 3 and said in results[2][1], results[2][1]
 
 
 def test_a_duplicate_that_comes_after_the_job_formed_stops_the_job():

@@ -72,7 +72,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--hang-report-after",
         default=None,
         type=float,
-        help="seconds a collective may block before a hang report (default: 60)",
+        help="seconds a collective may block before a hang report (default: 60, or half the "
+        "collective timeout if shorter); the JSON goes to the --log-dir run directory, else the "
+        "working directory",
     )
     flag(
         own,

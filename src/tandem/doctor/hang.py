@@ -15,9 +15,14 @@ its part to the answers and its step to the polls). Every half second it:
    ``records.wait``; a size mismatch that makes Gloo abort is held for this check, see
    ``tandem.doctor.aborts``). Blocked for longer than ``report_after`` seconds
    (``tandem.init(hang_report_after=...)``, ``tandem run --hang-report-after``, or the
-   ``TANDEM_HANG_REPORT_AFTER`` environment variable; default 60), it asks every rank and builds
-   one report that names the laggards first, prints it (the lowest rank that waits prints, once
-   per hang) and writes it as JSON (``TANDEM_REPORT_DIR``, default the working directory);
+   ``TANDEM_HANG_REPORT_AFTER`` environment variable; default 60), or for half the collective's
+   timeout if that is sooner (:func:`report_after`: a short timeout would otherwise end the job
+   before anyone is named), it asks every rank and builds one report that names the laggards
+   first, prints it (the lowest rank that waits prints, once per hang) and writes it as JSON
+   (:func:`report_dir`: ``TANDEM_HANG_REPORT_DIR``, else ``TANDEM_REPORT_DIR``, else the working
+   directory). At exit, a report whose collective never completed is marked so
+   (``"unfinished_at_exit"``): ``tandem run``'s exit summary then blames the laggards, not the
+   rank whose collective timed out;
 4. on the lowest rank: when no rank is in a collective and none has started or finished one for
    ``report_after`` seconds (after at least one), every rank waits on something else: one report
    gives each rank's line and stacks, once per quiet period.
@@ -55,21 +60,81 @@ from tandem.launch import meeting
 log = logging.getLogger(__name__)
 
 DEFAULT_AFTER_S = 60.0
+#: Of the collective's timeout, the share a collective may wait before it is reported: the rest
+#: leaves time to ask every rank (at most a quarter of the timeout, see :func:`answer_within_s`)
+#: and write the report before the timeout ends the job.
+TIMEOUT_SHARE = 0.5
 # A collective blocked this long is compared across ranks (op, shapes, dtypes): cheap, and a
 # mismatch raises on every rank without waiting for the hang threshold.
 DESYNC_CHECK_S = 5.0
 _POLL_S = 0.5
 # How long a rank that raises a mismatch waits for every rank to have taken it.
 _TAKEN_WITHIN_S = 3.0
+# At exit without tandem.shutdown(): how long a rank waits for rank 0's check-out verdict (rank
+# 0 may still be working; past this, what the rank knows itself stands).
+_CHECK_OUT_AT_EXIT_S = 5.0
 
 
-def report_after() -> float:
-    """Seconds a collective may block before a report (``TANDEM_HANG_REPORT_AFTER``)."""
+def configured_after() -> float:
+    """The report threshold asked for: ``TANDEM_HANG_REPORT_AFTER`` (``tandem.init``'s
+    ``hang_report_after``, ``tandem run --hang-report-after``), default 60 s."""
     value = os.environ.get("TANDEM_HANG_REPORT_AFTER")
     try:
         return float(value) if value else DEFAULT_AFTER_S
     except ValueError:
         return DEFAULT_AFTER_S
+
+
+def report_after(timeout_s: float | None = None) -> float:
+    """Seconds a collective may block before a report: the configured threshold, or
+    ``TIMEOUT_SHARE`` (half) of the collective timeout ``timeout_s`` (the default group's when
+    None) if that is sooner, so that the report is out before the timeout ends the job.
+
+    Example (``hang_report_after`` left at 60 s)::
+
+        report_after(20.0)      # 10.0: tandem.init(timeout=20) is reported after 10 s
+        report_after(1800.0)    # 60.0: torch's 30-minute default leaves the threshold as is
+    """
+    if timeout_s is None:
+        timeout_s = Reporter.timeout_s
+    after = configured_after()
+    return after if timeout_s is None else min(after, TIMEOUT_SHARE * timeout_s)
+
+
+def answer_within_s(timeout_s: float | None = None) -> float:
+    """How long a report waits for the ranks' answers: 5 s, or a quarter of a shorter collective
+    timeout (a report at half the timeout is then complete by three quarters of it).
+
+    Example::
+
+        answer_within_s(8.0)      # 2.0
+        answer_within_s(1800.0)   # 5.0
+    """
+    if timeout_s is None:
+        timeout_s = Reporter.timeout_s
+    within = reports.ANSWER_WITHIN_S
+    return within if timeout_s is None else min(within, timeout_s / 4)
+
+
+def report_dir() -> Path:
+    """Where hang reports are written: ``TANDEM_HANG_REPORT_DIR`` (``tandem run`` without
+    ``--log-dir`` sets it to its working directory), else ``TANDEM_REPORT_DIR``, else the
+    working directory."""
+    env = os.environ
+    return Path(env.get("TANDEM_HANG_REPORT_DIR") or env.get("TANDEM_REPORT_DIR") or ".")
+
+
+def collective_timeout_s() -> float | None:
+    """The default process group's collective timeout in seconds (None if it cannot be read:
+    torch keeps it in its backend's options)."""
+    try:
+        import torch
+
+        group = dist.distributed_c10d._get_default_group()
+        device = torch.device("cuda" if dist.get_backend() == "nccl" else "cpu")
+        return float(group._get_backend(device).options._timeout.total_seconds())
+    except Exception:  # another torch, another backend: no cap, the configured threshold holds
+        return None
 
 
 class Reporter:
@@ -97,6 +162,10 @@ class Reporter:
     #: A collective of this process can never complete: the exit is made immediate (the
     #: backend would wait for that collective while the interpreter tears down).
     stuck = False
+    #: The default group's collective timeout (seconds; None: unknown), read at start.
+    timeout_s: float | None = None
+    # The hang reports this process wrote: (file, report, the record it waits in), for exit.
+    _written: ClassVar[list[tuple[Path, dict[str, Any], Any]]] = []
 
     @classmethod
     def start(cls) -> None:
@@ -112,6 +181,7 @@ class Reporter:
         cls._store = dist.PrefixStore("tandem/doctor/", base)
         cls._rank, cls._world = dist.get_rank(), dist.get_world_size()
         cls._main = threading.main_thread().ident
+        cls.timeout_s = collective_timeout_s()
         aborts.install(cls._wake.set)
         mismatch.before_raise = _until_everyone_took_it
         cls._thread = threading.Thread(
@@ -121,11 +191,18 @@ class Reporter:
 
     @classmethod
     def _exiting(cls) -> None:
+        cls._mark_unfinished()
         if cls.stuck or (mismatch.failed is not None and records.open_records()):
             # The error has been printed; tearing the process group down would hang on the
             # collective that never completes.
             sys.stdout.flush()
             sys.stderr.flush()
+            os._exit(1)
+        try:  # a script that never called tandem.shutdown(): its check-out, here
+            meeting.check_out(cls._rank, cls._world, meeting.SETTLE_S + _CHECK_OUT_AT_EXIT_S)
+        except meeting.RendezvousError as e:
+            print(f"tandem: RendezvousError: {e}", file=sys.stderr, flush=True)
+            sys.stdout.flush()
             os._exit(1)
         aborts.uninstall()
         # Peers that ask from now on read this instead (tandem.DDP names a rank that left).
@@ -137,6 +214,19 @@ class Reporter:
         cls._wake.set()
         if cls._thread is not None:
             cls._thread.join(timeout=2 * _POLL_S)
+
+    @classmethod
+    def _mark_unfinished(cls) -> None:
+        """At exit: the reports whose collective never completed say so in their JSON (the
+        collective's timeout, or an error, ended this process while it waited)."""
+        for path, report, record in cls._written:
+            if record is None or report.get("unfinished_at_exit"):
+                continue
+            if record.end is not None or (not record.failed and record.poll()):
+                continue
+            report["unfinished_at_exit"] = True
+            with contextlib.suppress(OSError):
+                path.write_text(json.dumps(report, indent=2))
 
     @classmethod
     def _run(cls, store: Any) -> None:
@@ -222,22 +312,27 @@ class Reporter:
 
     @classmethod
     def publish(
-        cls, report: dict[str, Any], name: str, claim: str | None = None, show: bool = True
+        cls,
+        report: dict[str, Any],
+        name: str,
+        claim: str | None = None,
+        show: bool = True,
+        record: records.Record | None = None,
     ) -> None:
         """Keep ``report``, print it (``show``, unless another rank won the store key ``claim``:
         one rank prints what every rank found) and write it as JSON
-        ``tandem-hang-rank<r>-<name>.json`` in ``TANDEM_REPORT_DIR`` (where ``tandem run`` looks
-        for its exit summary)."""
+        ``tandem-hang-rank<r>-<name>.json`` in :func:`report_dir` (where ``tandem run`` looks
+        for its exit summary). ``record``: the collective it is about, checked at exit."""
         cls.reports.append(report)
         me = str(cls._rank)
         if show and (claim is None or cls._store.compare_set(claim, "", me).decode() == me):
             print(report["text"], file=sys.stderr, flush=True)
         with contextlib.suppress(OSError):
-            where = Path(os.environ.get("TANDEM_REPORT_DIR") or ".")
+            where = report_dir()
             where.mkdir(parents=True, exist_ok=True)
-            (where / f"tandem-hang-rank{cls._rank}-{name}.json").write_text(
-                json.dumps(report, indent=2)
-            )
+            path = where / f"tandem-hang-rank{cls._rank}-{name}.json"
+            path.write_text(json.dumps(report, indent=2))
+            cls._written.append((path.resolve(), report, record))
 
 
 class _Watch:
@@ -261,7 +356,8 @@ class _Watch:
         if waited < min(self.check_at, after):
             return
         self.check_at = math.inf
-        answers = ask(range(reporter._world))
+        within = answer_within_s()
+        answers = ask(range(reporter._world), within)
         sides = reports.mismatched(stuck.as_dict(), answers)
         deferred = any(defer(answers) for defer in list(Reporter.deferrals.values()))
         if sides is not None and deferred and waited < 2 * DESYNC_CHECK_S:
@@ -271,10 +367,14 @@ class _Watch:
             _fail_everywhere(store, stuck, sides)
         if sides is not None or waited >= after:
             self.reported = stuck
-            report = reports.hang_report(reporter._rank, stuck.as_dict(), answers, reporter._world)
+            report = reports.hang_report(
+                reporter._rank, stuck.as_dict(), answers, reporter._world, within
+            )
+            report["timeout_s"] = reporter.timeout_s
             # A mismatch is raised on every rank, with its message: not printed here too.
             claim = f"printed/{stuck.group}/{stuck.seq}"
-            Reporter.publish(report, f"{stuck.op}-{stuck.seq}", claim, show=sides is None)
+            name = f"{stuck.op}-{stuck.seq}"
+            Reporter.publish(report, name, claim, show=sides is None, record=stuck)
 
     def abort(self, reporter: type[Reporter], store: Any) -> None:
         """Gloo would abort this process: compare its open collectives across ranks now."""
@@ -291,7 +391,8 @@ class _Watch:
 
     def quiet(self, reporter: type[Reporter]) -> None:
         """No rank in a collective, none issued one for ``report_after``: say where each is."""
-        quiet, after = _quiet_s(records.recent(16)), report_after()
+        # No collective is open: no timeout will end the job, the threshold is the one asked.
+        quiet, after = _quiet_s(records.recent(16)), configured_after()
         if quiet is None or quiet < after or time.monotonic() < self.quiet_survey:
             return
         self.quiet_survey = time.monotonic() + max(1.0, after / 2)

@@ -93,6 +93,7 @@ class Record:
     end: float | None = None  # None: not known to have ended yet
     work: Any = field(default=None, repr=False, compare=False)  # an async op's, until done
     gloo: bool = field(default=False, repr=False)  # its group's backend: waited for in slices
+    failed: bool = field(default=False, repr=False)  # a wait for it raised (a timeout, say)
 
     def describe(self) -> str:
         """``all_reduce #57 (DDP bucket 0, step 12) of world``, for messages."""
@@ -165,11 +166,16 @@ def wait(work: Any, record: Record | None = None) -> None:
     mismatch.raise_if_failed()
     if record is None:
         record = of(work)
-    if record is None or not record.gloo:
-        work.wait()
-        return
-    with waiting(record):
-        mismatch.wait_in_slices(work)
+    try:
+        if record is None or not record.gloo:
+            work.wait()
+            return
+        with waiting(record):
+            mismatch.wait_in_slices(work)
+    except BaseException:
+        if record is not None:
+            record.failed = True
+        raise
 
 
 class tagged:
@@ -214,9 +220,11 @@ class waiting:
         if self.record is not None:
             blocked[self.me] = self.record
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, kind: object, *exc: object) -> None:
         if self.record is not None:
             blocked.pop(self.me, None)
+            if kind is not None:  # the wait raised: the collective never completed here
+                self.record.failed = True
 
 
 def of(work: Any) -> Record | None:
@@ -313,6 +321,9 @@ def _recorded(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
                 record.work = result  # until it is done, should the wait raise
                 mismatch.wait_in_slices(result)
                 record.work = result = None
+        except BaseException:
+            record.failed = True  # never completed here (hang reports tell it at exit)
+            raise
         finally:
             if not is_async:
                 blocked.pop(me, None)

@@ -19,15 +19,21 @@ ANSWER_WITHIN_S = 5.0
 
 
 def hang_report(
-    rank: int, stuck: dict[str, Any], answers: dict[int, dict[str, Any]], world: int
+    rank: int,
+    stuck: dict[str, Any],
+    answers: dict[int, dict[str, Any]],
+    world: int,
+    within_s: float = ANSWER_WITHIN_S,
 ) -> dict[str, Any]:
     """The report of ``rank``, blocked in ``stuck`` (a record's ``as_dict()``), from every
-    rank's answer: laggards first."""
+    rank's answer (asked for ``within_s`` seconds): laggards first. ``laggard_ranks``: the
+    ranks that never entered it or exited before it."""
     waited = time.time() - stuck["start"]
     lines = [
         f"tandem: rank {rank} has waited {waited:.0f} s in {_describe(stuck)} of {stuck['group']}"
     ]
     laggards, waiting, silent, differ = [], [], [], []
+    late: list[int] = []
     for r in range(world):
         answer = answers.get(r)
         if r == rank:
@@ -38,8 +44,10 @@ def hang_report(
         theirs = at(answer, stuck["group"], stuck["seq"])
         newest = answer["newest"].get(stuck["group"])
         if answer.get("exited") and theirs is None:
+            late.append(r)
             laggards.append(f"  rank {r} exited before {stuck['op']} #{stuck['seq']}")
         elif theirs is None and (newest is None or newest["seq"] < stuck["seq"]):
+            late.append(r)
             had = f"{_describe(newest)}" if newest is not None else "none in this group"
             laggards.append(
                 f"  rank {r} never entered {stuck['op']} #{stuck['seq']}: its newest is {had}; "
@@ -56,7 +64,7 @@ def hang_report(
             waiting.append(f"  rank {r} has passed it; it is at {answer['where']}")
     lines += differ
     lines += laggards
-    lines += [f"  rank {r} did not answer within {ANSWER_WITHIN_S:.0f} s" for r in silent]
+    lines += [f"  rank {r} did not answer within {within_s:g} s" for r in silent]
     lines += waiting
     if laggards:
         lines.append(
@@ -71,6 +79,7 @@ def hang_report(
         "waited_s": waited,
         "collective": stuck,
         "laggards": [line.strip() for line in laggards],
+        "laggard_ranks": late,
         "mismatched": [line.strip() for line in differ],
         "silent": silent,
         "ranks": answers,

@@ -11,6 +11,7 @@ Example::
 from __future__ import annotations
 
 import signal
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 # Why a worker might have received a signal it did not send itself.
@@ -48,14 +49,34 @@ class Failure:
     #: beating): what the summary says instead of a worker's exit.
     cause: str = ""
 
-    def summary(self) -> str:
-        """A few lines: who failed, how, and the end of what it wrote to stderr."""
+    def summary(
+        self, laggards: Sequence[int] = (), collective: str = "", details: Sequence[str] = ()
+    ) -> str:
+        """A few lines: who failed, how, and the end of what it wrote to stderr.
+
+        ``laggards``: the ranks this one waited for in ``collective`` until it failed (its hang
+        report named them, with ``details``): they head the summary, since they held the job up
+        and this rank only timed out waiting for them.
+
+        Example::
+
+            >>> print(Failure(0, 0, "vm", 1, ()).summary([1], "all_reduce #1 of world"))
+            tandem run: rank 1 held the job up; rank 0 (local rank 0 on vm) failed first (exit code 1) while waiting for it in all_reduce #1 of world
+            (rank 0 wrote nothing to stderr)
+        """  # noqa: E501
         if self.cause:
             return f"tandem run: {self.cause}"
-        lines = [
-            f"tandem run: rank {self.rank} (local rank {self.local_rank} on {self.host}) "
-            f"failed first: {describe_exit(self.returncode)}"
-        ]
+        me = f"rank {self.rank} (local rank {self.local_rank} on {self.host})"
+        if laggards:
+            who = _ranks(laggards)
+            them = "it" if len(laggards) == 1 else "them"
+            lines = [
+                f"tandem run: {who} held the job up; {me} failed first "
+                f"({describe_exit(self.returncode)}) while waiting for {them} in {collective}",
+                *(f"  {line}" for line in details),
+            ]
+        else:
+            lines = [f"tandem run: {me} failed first: {describe_exit(self.returncode)}"]
         if self.tail:
             lines.append(f"--- last {len(self.tail)} lines of rank {self.rank}'s stderr ---")
             lines.extend(self.tail)
@@ -67,3 +88,9 @@ class Failure:
     def exit_code(self) -> int:
         """The launcher's own exit status: the worker's code, or 128 + its signal."""
         return self.returncode if self.returncode > 0 else 128 + (-self.returncode or 1)
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    """``rank 1``, ``ranks 1, 3``."""
+    listed = ", ".join(str(r) for r in ranks)
+    return f"rank {listed}" if len(ranks) == 1 else f"ranks {listed}"

@@ -13,13 +13,21 @@ launcher's agent store) and, before any process group exists, has every process 
 - at the rendezvous timeout (default 60 s, ``tandem.init(rendezvous_timeout=...)`` or
   ``TANDEM_RENDEZVOUS_TIMEOUT``) the ones that came say which never did ("ranks 2, 3 never
   arrived");
-- a port held by another program fails on rank 0 at once, and on the others within the timeout
-  (a program that accepts the connection but never answers would otherwise hold them forever).
+- a port held by another program fails on rank 0 within seconds (once it has found that the
+  program is not a tandem job's store), and on the others within the timeout (a program that
+  accepts the connection but never answers would otherwise hold them forever); a port held by
+  a tandem job's store (a second ``RANK=0``, or another job on the same port) makes this rank 0
+  check in there as a duplicate, so that every process names rank 0 twice.
 
 A one-node job's store (MASTER_ADDR on loopback) listens on loopback only, so no other host can
 read or write its keys. A process that checks in after the job has formed (a late duplicate)
 raises, and leaves a fatal note that the doctor of every other rank raises at its next
-collective (:data:`FATAL_KEY`, :func:`fatal_note`).
+collective (:data:`FATAL_KEY`, :func:`fatal_note`). So that a short job cannot finish before a
+duplicate started with it arrives, the ranks check out at the end (:func:`check_out`, from
+``tandem.shutdown()`` or at exit): where the ranks were numbered by hand (no launcher did it),
+rank 0 lets the job end no sooner than :data:`SETTLE_S` after it formed, then judges every
+arrival once more, and every rank raises its verdict. A duplicate that comes after the job has
+ended fails alone: there is no job left to stop.
 
 Example::
 
@@ -47,15 +55,36 @@ DEFAULT_TIMEOUT_S = 60.0
 #: the job met in. The doctor of every rank that met there (:data:`joined`) reads it
 #: (:func:`fatal_note`) and raises it as :class:`RendezvousError` at its next collective.
 FATAL_KEY = PREFIX + "fatal"
+#: Where rank 0 publishes its verdict at the end (:func:`check_out`).
+CLOSED_KEY = PREFIX + "closed"
+#: How long after the job formed rank 0 lets it end, where the ranks were numbered by hand: a
+#: duplicate started together with the others (Python and torch take a moment to import, more on
+#: a busy machine) has arrived by then, and fails the job at its end however short the job is.
+SETTLE_S = 1.5
+#: How long a rank other than 0 waits at the end for rank 0's verdict.
+CHECK_OUT_WAIT_S = 30.0
 #: The store this process met its job in (the last :func:`meet` that succeeded), or None.
 joined: Any = None
+#: What this process learned about its job after it formed (a late duplicate's fatal note).
+noted: str | None = None
 _POLL_S = 0.01
+# How long a judge keeps its store up after a bad verdict, for the others to read it.
+_LINGER_S = 5.0
+# How long a rank 0 that cannot listen looks for a tandem store on the port (then: "busy").
+_PROBE_S = 1.0
+# When the job this process met formed, and whether its ranks were numbered by hand.
+_formed_at = 0.0
+_by_hand = False
 # How long past its own timeout torch's store client may still be retrying (its last back-off).
 _CLIENT_BACKOFF_S = 3.0
 
 
 class RendezvousError(RuntimeError):
     """The processes of a job could not meet: a bad environment, a missing rank or a busy port."""
+
+
+class _PortBusy(RendezvousError):
+    """Rank 0 cannot listen on MASTER_PORT."""
 
 
 def rendezvous_timeout_s(value: float | None = None) -> float:
@@ -91,6 +120,7 @@ def meet(
     agent_store: bool = False,
     restart: int = 0,
     store_timeout: timedelta | None = None,
+    numbered_by_hand: bool = False,
 ) -> Any:
     """Open the job's store and check in every process; the store for ``init_process_group``.
 
@@ -104,6 +134,9 @@ def meet(
             (``TANDEM_JOB_SECRET``) so that a client without it cannot touch them.
         store_timeout: how long the group's store operations wait afterwards (the collective
             timeout; torch's default when None).
+        numbered_by_hand: no launcher gave the processes their RANK (a hand-made environment,
+            where a RANK given twice happens): the ranks check out at the end (:func:`check_out`)
+            no sooner than :data:`SETTLE_S` after the job formed.
 
     Raises:
         RendezvousError: naming what is wrong, on every process that can tell.
@@ -115,33 +148,103 @@ def meet(
     import torch.distributed as dist
 
     deadline = time.monotonic() + timeout
+    judge = rank == 0  # rank 0 judges what arrived, unless it found another rank 0 hosting
     if agent_store:
         # Under the job's secret, if it has one (see launch.rendezvous.key_scope).
         prefix = f"/worker/{key_scope()}attempt_{restart}"
         base = dist.PrefixStore(prefix, _connect(host, port, deadline))
     elif rank == 0:
-        base = _host(host, port, timeout)
+        try:
+            base = _host(host, port, timeout)
+        except _PortBusy:
+            # Another rank 0 may host this job's store already: a duplicate, to be named as such
+            # by every process. Anything else on the port is another program's.
+            found = _tandem_store_at(host, port, min(deadline, time.monotonic() + _PROBE_S))
+            if found is None:
+                raise
+            base, judge = found, False
     else:
         base = _connect(host, port, deadline)
-    _check_in(base, rank, world_size, deadline, timeout)
+    _check_in(base, rank, world_size, deadline, timeout, judge)
     base.set_timeout(store_timeout or dist.default_pg_timeout)
-    global joined
-    joined = base
+    global joined, noted, _formed_at, _by_hand
+    joined, noted = base, None
+    _formed_at, _by_hand = time.monotonic(), numbered_by_hand
     return base
 
 
-def fatal_note() -> str | None:
+def check_out(rank: int, world_size: int, wait_s: float = CHECK_OUT_WAIT_S) -> None:
+    """At the end of the job (``tandem.shutdown()``, or exit), on every rank: raise
+    :class:`RendezvousError` if a process checked in after the job formed (a duplicate RANK),
+    the same verdict on every rank. Where the ranks were numbered by hand, rank 0 first lets the
+    job reach :data:`SETTLE_S` of age, then judges every arrival and publishes its verdict, and
+    keeps its store up until the others have read a bad one; the others wait up to ``wait_s``
+    for it. Where a launcher numbered them, only a fatal note already left counts. No-op without
+    a job met here, or once checked out.
+
+    Example::
+
+        meeting.check_out(w.rank, w.world_size)   # tandem.shutdown(), before the group goes
+    """
+    global joined
+    store, problem = joined, noted
+    if store is None:
+        return
+    joined = None
+    try:
+        if not _by_hand:
+            problem = problem or fatal_note(store)
+        elif rank == 0:
+            time.sleep(max(0.0, _formed_at + SETTLE_S - time.monotonic()))
+            problem = problem or _arrived_late(store, world_size)
+            store.set(CLOSED_KEY, problem or "")
+            if problem is not None:
+                _linger(store, CLOSED_KEY + "/read", world_size - 1)
+        else:
+            give_up = time.monotonic() + wait_s
+            while not store.check([CLOSED_KEY]) and time.monotonic() < give_up:
+                time.sleep(_POLL_S * 5)
+            verdict = store.get(CLOSED_KEY).decode() if store.check([CLOSED_KEY]) else ""
+            if verdict:
+                store.add(CLOSED_KEY + "/read", 1)
+            problem = problem or verdict or None
+    except Exception:  # the store went with rank 0: what this rank knows stands
+        pass
+    if problem is not None:
+        raise RendezvousError(problem)
+
+
+def _arrived_late(store: Any, world_size: int) -> str | None:
+    """What is wrong, if more processes than WORLD_SIZE have checked in."""
+    note = fatal_note(store)
+    if note is not None:
+        return note
+    arrived = int(store.add(PREFIX + "arrived", 0))
+    if arrived <= world_size:
+        return None
+    entries = _entries(store, arrived)
+    return diagnose(entries, world_size) or (
+        f"{arrived} processes checked in for WORLD_SIZE={world_size} ({_who(entries)}): one "
+        "came after the job had formed. Every process needs its own RANK"
+    )
+
+
+def fatal_note(store: Any = None) -> str | None:
     """What a process that came after this job formed found wrong (a duplicate RANK), or None.
-    One store lookup; None when this process did not meet its job here.
+    One store lookup (``store``: the one this process met its job in); None when this process
+    did not meet its job there. A note found is kept for :func:`check_out`.
 
     Example::
 
         note = fatal_note()     # the doctor's thread, every half second
     """
-    store = joined
+    global noted
+    store = store if store is not None else joined
     if store is None or not store.check([FATAL_KEY]):
         return None
-    return store.get(FATAL_KEY).decode()
+    note = store.get(FATAL_KEY).decode()
+    noted = noted or note
+    return note
 
 
 def announce(host: str, port: int, entry: dict[str, Any], seconds: float = 5.0) -> None:
@@ -180,7 +283,7 @@ def _host(host: str, port: int, timeout: float) -> Any:
             listener.listen(socket.SOMAXCONN)
         except OSError as exc:
             listener.close()
-            raise RendezvousError(_busy(host, port, exc.strerror or str(exc))) from exc
+            raise _PortBusy(_busy(host, port, exc.strerror or str(exc))) from exc
         fd = listener.detach()  # the store owns the socket from here on
     try:
         return dist.TCPStore(
@@ -190,7 +293,7 @@ def _host(host: str, port: int, timeout: float) -> Any:
         if fd is not None:
             with contextlib.suppress(OSError):
                 os.close(fd)
-        raise RendezvousError(_busy(host, port, str(exc).splitlines()[0])) from exc
+        raise _PortBusy(_busy(host, port, str(exc).splitlines()[0])) from exc
 
 
 def _busy(host: str, port: int, why: str) -> str:
@@ -199,6 +302,23 @@ def _busy(host: str, port: int, why: str) -> str:
         "job holds that port. Choose a free port (or let `tandem run` pick one); the other "
         "ranks fail within the rendezvous timeout"
     )
+
+
+def _tandem_store_at(host: str, port: int, deadline: float) -> Any:
+    """A client of the store at ``host:port`` if it is a tandem job's rendezvous store (someone
+    has checked in there), else None."""
+    try:
+        store = _connect(host, port, deadline)
+    except RendezvousError:
+        return None
+    with contextlib.suppress(Exception):
+        while True:
+            if store.check([PREFIX + "arrived"]):
+                return store
+            if time.monotonic() > deadline:
+                break
+            time.sleep(_POLL_S)
+    return None
 
 
 def _connect(host: str, port: int, deadline: float) -> Any:
@@ -260,11 +380,14 @@ def _enter(store: Any, entry: dict[str, Any]) -> int:
     return place
 
 
-def _check_in(store: Any, rank: int, world_size: int, deadline: float, timeout: float) -> None:
-    """Check in; rank 0 judges what arrived and every rank raises its verdict if it is bad."""
+def _check_in(
+    store: Any, rank: int, world_size: int, deadline: float, timeout: float, judge: bool
+) -> None:
+    """Check in; the judge (rank 0, hosting the store) judges what arrived and every rank raises
+    its verdict if it is bad."""
     me = {"rank": rank, "world_size": world_size, "pid": os.getpid(), "host": socket.gethostname()}
     place = _enter(store, me)
-    if rank == 0:
+    if judge:
         problem = _judge(store, world_size, deadline, timeout)
     else:
         problem = _await_verdict(store, world_size, deadline, timeout)
@@ -291,12 +414,26 @@ def _judge(store: Any, world_size: int, deadline: float, timeout: float) -> str 
         problem = _missing(entries, world_size, timeout)
     store.set(PREFIX + "verdict", problem or "")
     if problem is not None:
-        # This process hosts the store: keep it up until the others have read the verdict.
-        others = len([e for e in entries if e["rank"] != 0 and not e.get("bad")])
-        linger = time.monotonic() + 5.0
-        while int(store.add(PREFIX + "read", 0)) < others and time.monotonic() < linger:
-            time.sleep(_POLL_S)
+        # This process hosts the store: keep it up until the others have read the verdict,
+        # those that checked in already and, when the verdict came before the deadline (a
+        # duplicate, say), a rank still missing that may be on its way.
+        bad = len([e for e in entries if e.get("bad")])
+        absent = 0 if arrived < world_size else world_size - len({e["rank"] for e in entries})
+        _linger(store, PREFIX + "read", arrived - 1 - bad, expected=max(absent, 0), counted=True)
     return problem
+
+
+def _linger(store: Any, key: str, readers: int, expected: int = 0, counted: bool = False) -> None:
+    """Keep this process (and the store it hosts) until ``readers`` have added 1 to ``key``, or
+    for :data:`_LINGER_S` at most. ``counted``: the processes that check in meanwhile read too,
+    and ``expected`` more are waited for (ranks missing from a verdict reached early)."""
+    until = time.monotonic() + _LINGER_S
+    before = int(store.add(PREFIX + "arrived", 0)) if counted else 0
+    while time.monotonic() < until:
+        came = int(store.add(PREFIX + "arrived", 0)) - before if counted else 0
+        if came >= expected and int(store.add(key, 0)) >= readers + came:
+            return
+        time.sleep(_POLL_S)
 
 
 def _await_verdict(store: Any, world_size: int, deadline: float, timeout: float) -> str | None:

@@ -117,6 +117,7 @@ def spawn(
         "LOCAL_WORLD_SIZE": str(nprocs),
         "GROUP_RANK": "0",
         "NODE_RANK": "0",
+        "TANDEM_SPAWN": "1",  # the ranks are numbered here: no duplicate RANK to look for
     }
     procs, conns = [], []
     for rank in range(nprocs):

@@ -11,7 +11,10 @@ Per attempt:
    is relayed as it redraws, below the lines (``relay.py``).
 4. The first worker to exit non-zero, or to die by a signal, fails the attempt: the others get
    SIGTERM, then SIGKILL after a grace period, and the launcher says who failed, how, and what
-   the worker last wrote. With restarts left, a new attempt starts with a new rendezvous.
+   the worker last wrote; a rank that failed waiting in a collective its hang report was about
+   (the collective's timeout) is summed up under the laggards that report named
+   (:func:`held_up_by`), followed by the report. With restarts left, a new attempt starts with
+   a new rendezvous.
 5. Under elastic node counts (``membership.py``) a healthy attempt also ends when a node
    waits to join: the workers stop and the next rendezvous round admits it (not counted
    against ``--max-restarts``, as in torch's agent); each round may give this node another
@@ -157,11 +160,19 @@ class Supervisor:
         self.workers: list[Worker] = []
         self.stop_signal: int | None = None
         self.host = socket.gethostname()
-        # Where the workers write hang reports (tandem.doctor.hang): the exit summary of a job
-        # that a collective's timeout ended carries the newest one.
+        # Where the workers write their step times and checkpoint notes (TANDEM_REPORT_DIR):
+        # the user's, --log-dir, or a temporary directory removed at the end.
         chosen = os.environ.get("TANDEM_REPORT_DIR") or spec.log_dir
-        self.own_reports = chosen is None  # a temporary directory, removed at the end
+        self.own_reports = chosen is None
         self.reports = Path(chosen if chosen is not None else tempfile.mkdtemp(prefix="tandem-"))
+        # Where they write hang reports (tandem.doctor.hang, TANDEM_HANG_REPORT_DIR), which
+        # outlive the run: the report directory when the user chose one, else the working
+        # directory. The exit summary of a job that a collective's timeout ended carries the
+        # newest one, and names its laggards.
+        hang_dir = os.environ.get("TANDEM_HANG_REPORT_DIR")
+        self.hang_reports = (
+            Path(hang_dir) if hang_dir else Path.cwd() if self.own_reports else self.reports
+        ).absolute()
         # A terminal behind the launcher, and rank 0's output shown here: rank 0 draws a bar.
         shows_rank0 = spec.node_rank == 0 and spec.shown(0)
         self.console, self.console_env = (
@@ -200,6 +211,7 @@ class Supervisor:
                     f"{placement.nnodes}, world size {self.spec.world_size} (ranks {first}.."
                     f"{first + self.spec.nproc_per_node - 1} here)"
                 )
+            started = time.time()  # hang reports older than this are another attempt's
             self._start(attempt, restarts, placement)
             outcome = self._watch(placement.round)
             ended = time.time()  # the signal or failure, within _watch's 20 ms poll
@@ -230,10 +242,10 @@ class Supervisor:
                 _say(outcome.reason)
                 continue
             failure = outcome
-            _say(failure.summary())
-            report = newest_hang_report(self.reports, named=not self.own_reports)
-            if report is not None:
-                _say(report)
+            written = hang_reports(self.hang_reports, since=started)
+            _say(failure.summary(*held_up_by(failure.rank, written)))
+            if written:
+                _say(hang_report_text(*written[-1]))
             if restarts == self.spec.max_restarts:
                 break
             restarts += 1
@@ -259,6 +271,7 @@ class Supervisor:
             NODE_RANK=str(spec.node_rank),
             ROLE_NAME=spec.role,
             TANDEM_REPORT_DIR=str(self.reports),
+            TANDEM_HANG_REPORT_DIR=str(self.hang_reports),
             ROLE_WORLD_SIZE=str(spec.world_size),
             MASTER_ADDR=placement.addr,
             MASTER_PORT=str(placement.port),
@@ -376,22 +389,53 @@ def in_own_group_dying_with_parent() -> None:
         _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def newest_hang_report(directory: Path, named: bool = True) -> str | None:
-    """The text of the newest hang report a worker wrote in ``directory`` (None if none);
-    ``named``: its file is kept, and named in the heading.
+def hang_reports(directory: Path, since: float = 0.0) -> list[tuple[Path, dict]]:
+    """The hang reports the workers wrote in ``directory`` since ``since`` (a ``time.time()``;
+    older files are another run's), oldest first, each as (its file, its content).
 
     Example::
 
-        if (text := newest_hang_report(Path("logs"))) is not None:
-            print(text)
+        for path, report in hang_reports(Path.cwd(), since=started):
+            print(path, report["laggard_ranks"])
     """
-    found = sorted(directory.glob("tandem-hang-*.json"), key=lambda p: p.stat().st_mtime)
-    for path in reversed(found):
-        with contextlib.suppress(OSError, ValueError, KeyError):
-            text = json.loads(path.read_text())["text"]
-            kept = f" ({path})" if named else ""
-            return f"--- the newest hang report{kept} ---\n{text}\n---"
-    return None
+    found = []
+    for path in directory.glob("tandem-hang-*.json"):
+        with contextlib.suppress(OSError, ValueError):
+            modified = path.stat().st_mtime
+            report = json.loads(path.read_text())
+            if modified >= since and isinstance(report, dict) and "text" in report:
+                found.append((modified, path, report))
+    found.sort(key=lambda item: item[0])
+    return [(path, report) for _, path, report in found]
+
+
+def hang_report_text(path: Path, report: dict) -> str:
+    """A hang report as the exit summary repeats it, headed by its file."""
+    return f"--- the newest hang report ({path}) ---\n{report['text']}\n---"
+
+
+def held_up_by(rank: int, written: list[tuple[Path, dict]]) -> tuple[list[int], str, list[str]]:
+    """Who ``rank`` failed waiting for: from its newest hang report whose collective was still
+    unfinished when it exited (the collective's timeout, or an error, ended it while it waited),
+    the laggards it named, the collective, and their lines. Empty when there is none, or when
+    ``rank`` is a laggard itself: then ``rank`` is the one to blame.
+
+    Example::
+
+        laggards, collective, details = held_up_by(failure.rank, hang_reports(Path.cwd()))
+        print(failure.summary(laggards, collective, details))
+    """
+    for _, report in reversed(written):
+        if report.get("rank") != rank or not report.get("unfinished_at_exit"):
+            continue
+        late = [int(r) for r in report.get("laggard_ranks") or report.get("silent") or []]
+        if not late or rank in late:
+            break
+        stuck = report.get("collective") or {}
+        collective = f"{stuck.get('op')} #{stuck.get('seq')} of {stuck.get('group')}"
+        details = report.get("laggards") or [f"rank {r} did not answer" for r in late]
+        return late, collective, list(details)
+    return [], "", []
 
 
 def committed_checkpoint(directory: Path, run_id: str, when: float, event: str) -> str | None:
