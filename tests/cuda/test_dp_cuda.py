@@ -41,6 +41,7 @@ from torch import nn
 
 from tandem.parallel.dp import DataParallel
 from tests.cuda import gpu
+from tests.unit.test_dp import mlp  # the CPU test's model
 
 pytestmark = pytest.mark.cuda
 
@@ -83,12 +84,6 @@ def _deterministic(monkeypatch):
     torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
     torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = saved[2:4]
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved[4:6]
-
-
-def mlp() -> nn.Module:
-    return nn.Sequential(
-        nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4)
-    )
 
 
 def convnet() -> nn.Module:

@@ -115,7 +115,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         type=Path,
         help="start one tandem run per host of this file (`hostname slots=N` lines) over ssh "
-        "(TANDEM_SSH: the ssh command; see README)",
+        "(TANDEM_SSH: the ssh command; see docs/guides/multi-node.md)",
     )
     p.add_argument("script", help="the training script (or module, with -m)")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's arguments")

@@ -100,7 +100,7 @@ def add_torchrun_flags(parser: argparse.ArgumentParser) -> None:
         "--nnodes",
         default=None,
         help="nodes: N, or MIN:MAX (c10d: elastic, from MIN to MAX nodes, re-formed at each "
-        "restart; see README) (default: 1, or SLURM's under srun)",
+        "restart; see docs/guides/multi-node.md) (default: 1, or SLURM's under srun)",
     )
     flag(
         size,
