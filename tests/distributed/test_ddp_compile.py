@@ -7,7 +7,10 @@ broadcast before each forward. Compiled with a counting backend, the module is c
 over six steps (no recompilation). With ``aot_eager`` the compiled model's losses and final
 parameters equal the eager model's bit for bit (tandem's hooks still average every gradient),
 also with many small buckets, which torch's own DDP rejects under torch.compile (its
-DDPOptimizer asserts on a first bucket larger than the others).
+DDPOptimizer asserts on a first bucket larger than the others). A model that is one of torch's
+own containers (``nn.Sequential``), whose frames dynamo does not start a graph in, is compiled
+too: one frame with the module's operators in it (no longer nothing at all), and the losses of
+``torch.compile(tandem.DDP(m))`` equal those of ``tandem.DDP(torch.compile(m))`` and eager's.
 """
 
 from __future__ import annotations
@@ -39,8 +42,10 @@ class Net(nn.Module):
         return self.b(torch.tanh(self.bn(self.a(x))))
 
 
-def _net(seed: int) -> nn.Module:
+def _net(seed: int, kind: str = "user") -> nn.Module:
     torch.manual_seed(seed)
+    if kind == "sequential":  # torch's own container: its frames are torch's code
+        return nn.Sequential(nn.Linear(10, 32), nn.Tanh(), nn.Linear(32, 3)).double()
     return Net().double()
 
 
@@ -68,14 +73,15 @@ def test_explain_finds_one_graph_and_no_break():
         assert seen == [(1, 0, [])] * 3, seen
 
 
-def _train(compiled: bool, bucket_cap_mb: float | None) -> dict:
+def _train(how: str, bucket_cap_mb: float | None, kind: str = "user") -> dict:
+    """``how``: "eager", "outside" (torch.compile(tandem.DDP(m))) or "inside"
+    (tandem.DDP(torch.compile(m)))."""
     rank = dist.get_rank()
-    model = tandem.DDP(_net(rank), bucket_cap_mb=bucket_cap_mb)
+    net = _net(rank, kind)
+    torch._dynamo.reset()
+    model = tandem.DDP(torch.compile(net, backend="aot_eager") if how == "inside" else net)
     counter = CompileCounter()
-    run = model
-    if compiled:
-        torch._dynamo.reset()
-        run = torch.compile(model, backend="aot_eager")
+    run = torch.compile(model, backend="aot_eager") if how == "outside" else model
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     losses = []
     for step in range(STEPS):
@@ -85,7 +91,7 @@ def _train(compiled: bool, bucket_cap_mb: float | None) -> dict:
         loss.backward()
         opt.step()
         losses.append(loss.item())
-    if compiled:  # the same model once more through a counting backend: compiled once
+    if how == "outside":  # the same model once more through a counting backend: compiled once
         torch._dynamo.reset()
         counted = torch.compile(model, backend=counter)
         for step in range(STEPS):
@@ -93,27 +99,35 @@ def _train(compiled: bool, bucket_cap_mb: float | None) -> dict:
             counted(x).sum().backward()
     return {
         "losses": losses,
-        "params": [p.detach().clone() for p in model.parameters()],
+        "params": [p.detach().clone() for p in net.parameters()],
         "frames": counter.frame_count,
+        "ops": counter.op_count,
     }
 
 
-def _compiled_vs_eager(bucket_cap_mb: float | None) -> dict:
-    eager = _train(False, bucket_cap_mb)
-    compiled = _train(True, bucket_cap_mb)
+def _compiled_vs_eager(bucket_cap_mb: float | None, kind: str) -> dict:
+    runs = {how: _train(how, bucket_cap_mb, kind) for how in ("eager", "outside", "inside")}
     return {
-        "losses": (eager["losses"], compiled["losses"]),
+        "losses": {how: r["losses"] for how, r in runs.items()},
         "equal": all(
-            torch.equal(a, b) for a, b in zip(eager["params"], compiled["params"], strict=True)
+            torch.equal(a, b)
+            for how in ("outside", "inside")
+            for a, b in zip(runs["eager"]["params"], runs[how]["params"], strict=True)
         ),
-        "frames": compiled["frames"],
+        "frames": runs["outside"]["frames"],
+        "ops": runs["outside"]["ops"],
     }
 
 
-@pytest.mark.parametrize("bucket_cap_mb", [None, 0.001], ids=["default", "small_buckets"])
-def test_compiled_equals_eager(bucket_cap_mb):
-    for r in run_ranks(_compiled_vs_eager, 2, args=(bucket_cap_mb,), timeout=180):
-        eager, compiled = r["losses"]
-        assert eager == compiled, r["losses"]
+@pytest.mark.parametrize(
+    ("bucket_cap_mb", "kind"),
+    [(None, "user"), (0.001, "user"), (None, "sequential")],
+    ids=["default", "small_buckets", "torch_container"],
+)
+def test_compiled_equals_eager(bucket_cap_mb, kind):
+    for r in run_ranks(_compiled_vs_eager, 2, args=(bucket_cap_mb, kind), timeout=180):
+        losses = r["losses"]
+        assert losses["eager"] == losses["outside"] == losses["inside"], losses
         assert r["equal"]
-        assert r["frames"] == 1
+        # Compiled once, and the graph holds the module's operators (two linears, tanh, ...).
+        assert r["frames"] == 1 and r["ops"] >= 3, r

@@ -1,7 +1,9 @@
 """What torch's DDP tests measured, and why each one torch passes fails under tandem.DDP.
 
 Measured with ``python -m tests.torch_suite`` (torch 2.13.0 CPU, Gloo, world size 2) on the
-tandem of commit bf78ff7; docs/torch-ddp-suite.md has the table. ``test_torch_ddp_suite.py``
+tandem of commit bf78ff7, then again after the fixes of issue 25 (the 14 behaviour tests
+and test_ddp_bucket_cap_mb_list, test_ddp_device_mesh_initialization moved to ``PASS_BOTH``);
+docs/torch-ddp-suite.md has the table. ``test_torch_ddp_suite.py``
 runs ``PASS_BOTH`` and ``BEHAVIOUR`` under tandem.DDP. When a change makes another test pass
 under tandem, move it from ``TANDEM_FAILS`` to ``PASS_BOTH`` (the script's summary names
 every test whose outcome is not explained here).
@@ -11,21 +13,26 @@ from __future__ import annotations
 
 # Pass with torch's DDP and with tandem.DDP: a regression fails test_torch_ddp_suite.py.
 PASS_BOTH = (
-    "test_DistributedDataParallelCPU",
-    "test_DistributedDataParallelCPU_grad_is_view",
-    "test_DistributedDataParallel_with_amp_and_grad_is_view",
     "test_accumulate_gradients_no_sync",
     "test_accumulate_gradients_no_sync_allreduce_hook",
     "test_accumulate_gradients_no_sync_allreduce_with_then_hook",
     "test_accumulate_gradients_no_sync_grad_is_view",
     "test_compute_bucket_assignment_by_size_sparse_error_without_logger",
+    "test_ddp_broadcast_buffer",
+    "test_ddp_broadcast_buffers_deprecation_warning",
+    "test_ddp_bucket_cap_mb_list",
     "test_ddp_compile_static_graph",
     "test_ddp_create_graph",
+    "test_ddp_device_mesh_initialization",
     "test_ddp_forward_backward_hook",
+    "test_ddp_grad_div_uneven_inputs",
     "test_ddp_hook_parity_allreduce",
     "test_ddp_hook_parity_allreduce_process_group",
     "test_ddp_hook_parity_post_localSGD",
     "test_ddp_hook_parity_powerSGD",
+    "test_ddp_init_sync_buffers_with_forward_sync_buffers_false",
+    "test_ddp_join_model_equivalence",
+    "test_ddp_join_respects_forward_sync_buffers_false",
     "test_ddp_model_diff_num_params_across_ranks",
     "test_ddp_namedtuple",
     "test_ddp_new_tensor_in_fwd",
@@ -33,14 +40,25 @@ PASS_BOTH = (
     "test_ddp_returns_tensor_with_no_grad",
     "test_ddp_shared_grad_acc_unused_params",
     "test_ddp_static_graph_nested_types",
+    "test_ddp_uneven_input_exception",
+    "test_ddp_uneven_input_join_disable",
     "test_ddp_zero_output_features",
+    "test_DistributedDataParallel_requires_grad",
+    "test_DistributedDataParallel_with_amp_and_grad_is_view",
+    "test_DistributedDataParallelCPU",
+    "test_DistributedDataParallelCPU_grad_is_view",
     "test_grads_same_across_ranks_with_no_sync",
+    "test_output_unused_in_loss_dict_module",
+    "test_output_unused_in_loss_tuple_module",
     "test_post_localSGD_optimizer_parity",
     "test_post_localSGD_optimizer_parity_grad_is_view",
     "test_post_localSGD_optimizer_parity_with_hierarchical_sgd",
     "test_post_localSGD_optimizer_parity_with_hierarchical_sgd_grad_is_view",
     "test_post_localSGD_optimizer_step_reload",
+    "test_skip_all_reduce_unused_parameters",
+    "test_stateless_api_with_ddp",
     "test_static_graph_multi_forward",
+    "test_undefined_grad_parity_unused_parameters",
     "test_verify_model_across_rank_with_logger",
     "test_verify_model_across_rank_without_logger",
 )
@@ -52,58 +70,6 @@ BEHAVIOUR_GROUP = "behaviour"
 # Pass with torch's DDP, fail with tandem.DDP: group and the reason, in one line.
 TANDEM_FAILS: dict[str, tuple[str, str]] = {
     # Behaviour: what tandem.DDP should do as torch's does (issue 25's 14).
-    "test_DistributedDataParallel_requires_grad": (
-        BEHAVIOUR_GROUP,
-        "a module without parameters: IndexError inside tandem.DDP instead of a RuntimeError",
-    ),
-    "test_ddp_broadcast_buffer": (
-        BEHAVIOUR_GROUP,
-        "a buffer rank 0 reassigns (module.buffer = buffer + 1) is not broadcast before the "
-        "next forward",
-    ),
-    "test_ddp_broadcast_buffers_deprecation_warning": (
-        BEHAVIOUR_GROUP,
-        "broadcast_buffers= gives no deprecation warning (torch 2.13: use forward_sync_buffers)",
-    ),
-    "test_ddp_grad_div_uneven_inputs": (
-        BEHAVIOUR_GROUP,
-        "no DDP.join() method (divide_by_initial_world_size); tandem has tandem.join",
-    ),
-    "test_ddp_join_model_equivalence": (BEHAVIOUR_GROUP, "no DDP.join() method"),
-    "test_ddp_uneven_input_exception": (BEHAVIOUR_GROUP, "no DDP.join() method"),
-    "test_ddp_uneven_input_join_disable": (BEHAVIOUR_GROUP, "no DDP.join(enable=False)"),
-    "test_ddp_init_sync_buffers_with_forward_sync_buffers_false": (
-        BEHAVIOUR_GROUP,
-        "no forward_sync_buffers= argument",
-    ),
-    "test_ddp_join_respects_forward_sync_buffers_false": (
-        BEHAVIOUR_GROUP,
-        "no forward_sync_buffers= argument (and DDP.join)",
-    ),
-    "test_skip_all_reduce_unused_parameters": (
-        BEHAVIOUR_GROUP,
-        "no skip_all_reduce_unused_params= argument; the test then counts buckets through "
-        "_get_ddp_logging_data()['num_buckets_reduced']",
-    ),
-    "test_output_unused_in_loss_tuple_module": (
-        BEHAVIOUR_GROUP,
-        "find_unused_parameters=True, an output left out of the loss: UnusedParametersError "
-        "instead of leaving that parameter's .grad None",
-    ),
-    "test_output_unused_in_loss_dict_module": (
-        BEHAVIOUR_GROUP,
-        "the same, the outputs in a dict: UnusedParametersError instead of a None .grad",
-    ),
-    "test_stateless_api_with_ddp": (
-        BEHAVIOUR_GROUP,
-        "torch.func.functional_call through DDP: the module's own parameters get no gradient, "
-        "UnusedParametersError",
-    ),
-    "test_undefined_grad_parity_unused_parameters": (
-        BEHAVIOUR_GROUP,
-        "an undefined (not zero) gradient with find_unused_parameters=True: .grad differs from "
-        "the local model's",
-    ),
     # torch's own API beyond what a training script uses.
     "test_ddp_broadcast_buffer_via_hook": (PRIVATE, "DDP._register_buffer_comm_hook"),
     "test_ddp_buffer_hook_allreduce": (PRIVATE, "DDP._register_buffer_comm_hook"),
@@ -163,15 +129,6 @@ TANDEM_FAILS: dict[str, tuple[str, str]] = {
         "DDP._get_data_parallel_params",
     ),
     "test_static_graph_api_cpu": (PRIVATE, "DDP._set_static_graph"),
-    "test_ddp_bucket_cap_mb_list": (
-        PRIVATE,
-        "the bucket_cap_mb_list= argument (public in torch 2.13, not taken by tandem.DDP), "
-        "then DDP.bucket_bytes_cap_list and _get_ddp_logging_data",
-    ),
-    "test_ddp_device_mesh_initialization": (
-        PRIVATE,
-        "the device_mesh= argument (public in torch, not taken by tandem.DDP) and DDP.device_mesh",
-    ),
     # The test checks the exception torch raises for a misuse (its type and wording).
     "test_ddp_multiple_nested_unused_params_error": (
         ERROR,

@@ -30,6 +30,7 @@ def assign_buckets(
     order: Sequence[int],
     cap_bytes: int,
     first_cap_bytes: int,
+    caps: Sequence[int] | None = None,
 ) -> list[list[int]]:
     """Group tensor indices into buckets, in the order the buckets will be launched.
 
@@ -42,16 +43,17 @@ def assign_buckets(
         cap_bytes: a bucket is closed once it holds at least this many bytes.
         first_cap_bytes: the cap of the first bucket of each key (kept small: see the reducer
             for where that small bucket goes).
+        caps: instead of the two above, the cap of each key's first, second, ... bucket, the
+            last one repeated (torch's ``bucket_cap_mb_list``).
 
     Returns:
         Lists of tensor indices. Buckets are ordered by when their first gradient is expected,
         so launching them in list order follows backward.
     """
-    if cap_bytes <= 0 or first_cap_bytes <= 0:
-        raise ValueError(
-            f"bucket caps must be positive, got cap_bytes={cap_bytes}, "
-            f"first_cap_bytes={first_cap_bytes}"
-        )
+    limits = list(caps) if caps else [first_cap_bytes, cap_bytes]
+    if min(limits) <= 0:
+        given = f"cap_bytes={cap_bytes}, first_cap_bytes={first_cap_bytes}"
+        raise ValueError(f"bucket caps must be positive, got {f'caps={limits}' if caps else given}")
     if sorted(order) != list(range(len(sizes))) or len(keys) != len(sizes):
         shown = list(order) if len(order) <= 20 else f"{list(order[:20])}..."
         raise ValueError(
@@ -69,7 +71,7 @@ def assign_buckets(
         bucket = open_buckets.setdefault(key, [])
         bucket.append(index)
         open_bytes[key] = open_bytes.get(key, 0) + sizes[index]
-        cap = first_cap_bytes if closed_count.get(key, 0) == 0 else cap_bytes
+        cap = limits[min(closed_count.get(key, 0), len(limits) - 1)]
         # Close after adding, as torch does: a tensor is never split, so a large one closes
         # (and overfills) the bucket it joins.
         if open_bytes[key] >= cap:

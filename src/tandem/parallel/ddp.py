@@ -6,8 +6,9 @@ The life of a wrapped model:
    a hang, when they differ), then broadcast rank 0's parameters and buffers so that all
    replicas start identical, and attach the gradient reducer (``reducer.py``).
 2. Each forward: rebuild the buckets once (second iteration), broadcast rank 0's buffers
-   (BatchNorm statistics) so that every replica normalizes alike, run the module, and tell the
-   reducer a backward is coming.
+   (BatchNorm statistics; the module's buffers as they are now, so that a buffer the module
+   reassigned is the one sent) so that every replica normalizes alike, run the module, and tell
+   the reducer a backward is coming.
 3. Backward: the reducer all-reduces buckets of gradients while backward continues; when it
    returns, every ``.grad`` holds the mean over ranks, and any optimizer takes the same step on
    every rank.
@@ -15,6 +16,7 @@ The life of a wrapped model:
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -30,6 +32,7 @@ from tandem._tree import map_tensors
 from tandem.doctor import records, steps
 from tandem.parallel.comm_hooks import CommHook
 from tandem.parallel.join import DDPJoinHook, common_rank, training_ranks
+from tandem.parallel.join import join as join_context
 from tandem.parallel.reducer import Reducer
 from tandem.parallel.replicas import broadcast_coalesced, check_device_ids, verify_same_model
 
@@ -37,25 +40,54 @@ from tandem.parallel.replicas import broadcast_coalesced, check_device_ids, veri
 class DistributedDataParallel(nn.Module, Joinable):
     """Data parallelism across processes, with torch's DDP arguments, written in Python.
 
+    The arguments are torch 2.13's, in torch's order and with torch's meaning; the last three
+    (keyword only) are tandem's own.
+
     Args:
         module: the model; the same on every rank (checked).
         device_ids: ``None`` (CPU, or a module already on its device) or ``[device]``, the one
             device of this process's module; inputs are moved there before forward.
         output_device: accepted for compatibility; outputs stay where the module puts them.
         dim: accepted for compatibility (the batch dimension is the user's to split).
-        broadcast_buffers: broadcast rank 0's buffers before every forward in grad mode.
+        broadcast_buffers: deprecated in torch 2.13 (a ``FutureWarning``, as torch's): ``False``
+            neither broadcasts the buffers at construction nor before each forward. Use
+            ``forward_sync_buffers``; given both, ``forward_sync_buffers`` wins.
+        init_sync: at construction, check that every rank built the same model and broadcast
+            rank 0's parameters and buffers. ``False`` skips both: the replicas must then start
+            identical by other means (the same seed, a loaded checkpoint).
         process_group: the group to average over (default: the whole world).
         bucket_cap_mb: gradients are reduced in buckets of about this many MiB (default 25,
             with a first bucket of 1 MiB so that communication starts early; an explicit
             value applies to every bucket, as in torch).
         find_unused_parameters: detect, every iteration, the parameters the outputs do not
-            depend on, so that backward never waits for their gradients.
+            depend on, so that backward never waits for their gradients; parameters behind an
+            output the loss leaves out (a tuple or dict output, partly used) are handled too.
+            A parameter used on no rank keeps its ``.grad`` (None stays None).
+        check_reduction: deprecated and without effect, as in torch (a ``FutureWarning``).
         gradient_as_bucket_view: ``.grad`` tensors are views into the bucket buffers: no copy
             in or out, and less memory.
         static_graph: the graph is the same every iteration (torch's meaning): the first
             backward counts how often each parameter's gradient hook fires, which allows a
             parameter used several times per backward (reentrant activation checkpointing)
             and parameters that never get a gradient.
+        delay_all_reduce_named_params: not supported (``NotImplementedError``): tandem.DDP
+            reduces every parameter that requires grad in its buckets.
+        param_to_hook_all_reduce: goes with ``delay_all_reduce_named_params``; not supported.
+        mixed_precision: torch's experimental ``_MixedPrecision``: not supported
+            (``NotImplementedError``); use ``torch.autocast`` or tandem.Trainer's precision.
+        device_mesh: a one-dimensional ``DeviceMesh``, whose group is averaged over (instead
+            of ``process_group``). A mesh sliced out of a larger one (data parallel alongside
+            tensor parallel) is not supported.
+        skip_all_reduce_unused_params: with ``find_unused_parameters`` (or ``static_graph``), a
+            bucket whose parameters are all unused in a backward is not reduced, and their
+            ``.grad`` stay as they are. The unused parameters must be the same on every rank.
+        bucket_cap_mb_list: the caps in MiB of the first, second, ... bucket, the last repeated
+            (torch's); ``bucket_cap_mb`` is then ignored. The first buckets are cut with it too.
+        batched_grad_copy: gradients are copied into their bucket when it is full, in one call,
+            and the bucket divided by the world size (torch's bits for that option).
+        forward_sync_buffers: broadcast rank 0's buffers before every forward in grad mode
+            (default True), and take the last joiner's buffers at the end of a join context.
+            The buffers are broadcast at construction whatever its value (see ``init_sync``).
         comm_hook: ``hook(state, bucket) -> Future``; see ``tandem.parallel.comm_hooks``.
             torch's hooks (``torch.distributed.algorithms.ddp_comm_hooks``) work unchanged.
         comm_state: the ``state`` passed to ``comm_hook`` (default: ``process_group``).
@@ -78,12 +110,23 @@ class DistributedDataParallel(nn.Module, Joinable):
         device_ids: Sequence[int | str | torch.device] | None = None,
         output_device: int | str | torch.device | None = None,
         dim: int = 0,
-        broadcast_buffers: bool = True,
+        broadcast_buffers: bool | None = None,
+        init_sync: bool = True,
         process_group: dist.ProcessGroup | None = None,
         bucket_cap_mb: float | None = None,
         find_unused_parameters: bool = False,
+        check_reduction: bool = False,
         gradient_as_bucket_view: bool = False,
         static_graph: bool = False,
+        delay_all_reduce_named_params: Sequence[tuple[str, nn.Parameter]] | None = None,
+        param_to_hook_all_reduce: nn.Parameter | None = None,
+        mixed_precision: Any = None,
+        device_mesh: Any = None,
+        skip_all_reduce_unused_params: bool = False,
+        bucket_cap_mb_list: Sequence[float] | None = None,
+        batched_grad_copy: bool = False,
+        forward_sync_buffers: bool | None = None,
+        *,
         comm_hook: CommHook | None = None,
         comm_state: Any = None,
         first_bucket_cap_mb: float | None = None,
@@ -91,26 +134,57 @@ class DistributedDataParallel(nn.Module, Joinable):
         super().__init__()
         Joinable.__init__(self)  # inside tandem.join / torch's Join, see parallel/join.py
         # 1. Mistakes first, each an error on every rank: no process group in a launched job,
-        #    device_ids that do not fit the module, a model that differs across ranks.
+        #    an argument tandem.DDP does not implement, device_ids that do not fit the module,
+        #    a model that differs across ranks, a model with nothing to train.
         require_process_group("tandem.DDP")
+        _refuse_unsupported(
+            delay_all_reduce_named_params, param_to_hook_all_reduce, mixed_precision
+        )
+        process_group = _group_of_mesh(device_mesh, process_group)
+        self.device_mesh = device_mesh
+        self.forward_sync_buffers, init_sync_buffers = _buffer_flags(
+            broadcast_buffers, forward_sync_buffers
+        )
+        if check_reduction:
+            warnings.warn(
+                "The `check_reduction` argument in `DistributedDataParallel` module is "
+                "deprecated. Please avoid using it.",
+                FutureWarning,
+                stacklevel=2,
+            )
         self.device = check_device_ids(module, device_ids, "tandem.DDP", output_device)
         self.module = module
         self.output_device = output_device
         self.dim = dim
-        self.broadcast_buffers = broadcast_buffers
         self.process_group = process_group
         self.find_unused_parameters = find_unused_parameters
         self.static_graph = static_graph
         self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.skip_all_reduce_unused_params = skip_all_reduce_unused_params
+        self.batched_grad_copy = batched_grad_copy
         self.require_backward_grad_sync = True
         self.divide_by_initial_world_size = True  # changed only inside tandem.join
 
-        verify_same_model(module, process_group, "tandem.DDP")
+        if init_sync:
+            verify_same_model(module, process_group, "tandem.DDP")
+        trainable = _trainable(module)
+        if not trainable:
+            raise RuntimeError(
+                "tandem.DDP: the module has no parameter that requires a gradient, so there is "
+                "nothing to average (DistributedDataParallel is not needed when a module "
+                "doesn't have any parameter that requires a gradient). Wrap the model you train."
+            )
+        # The buffers as (module, name): re-read before each broadcast, so that a buffer the
+        # module reassigned (self.buf = self.buf + 1) is the one sent, as torch re-reads them.
+        self._buffer_slots = _buffer_slots(module)
         # 2. Rank 0's values everywhere.
-        self._buffers_to_sync = list(module.buffers())
-        self.sync_params_and_buffers()
+        if init_sync:
+            self.sync_params_and_buffers(buffers=init_sync_buffers)
 
-        trainable = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        # torch.func.functional_call swaps the module's tensors for the call: the reducer's
+        # parameters then take no part, and this forward arms no backward (see _arms_backward).
+        owner, _, name = trainable[0][0].rpartition(".")
+        self._first_param = (module.get_submodule(owner), name, trainable[0][1])
         self.reducer = Reducer(
             [p for _, p in trainable],
             [n for n, _ in trainable],
@@ -120,7 +194,15 @@ class DistributedDataParallel(nn.Module, Joinable):
             find_unused_parameters=find_unused_parameters,
             gradient_as_bucket_view=gradient_as_bucket_view,
             static_graph=static_graph,
+            bucket_cap_mb_list=bucket_cap_mb_list,
+            skip_all_reduce_unused_params=skip_all_reduce_unused_params,
+            batched_grad_copy=batched_grad_copy,
         )
+        # torch's attributes: the cap in bytes, and the per-bucket caps (empty without a list).
+        caps = self.reducer.caps
+        self.bucket_bytes_cap = max(caps) if bucket_cap_mb_list else caps[-1]
+        self.bucket_bytes_cap_list = list(caps) if bucket_cap_mb_list else []
+        self._initial_bucket_sizes = _bucket_sizes(self.reducer)  # _get_ddp_logging_data
         self._steps = steps.clock("tandem.DDP forwards", priority=1)  # for tandem run's summary
         if comm_hook is not None:
             self.register_comm_hook(process_group if comm_state is None else comm_state, comm_hook)
@@ -130,11 +212,22 @@ class DistributedDataParallel(nn.Module, Joinable):
         """Ranks averaged over."""
         return group_size(self.process_group)
 
+    @property
+    def broadcast_buffers(self) -> bool:
+        """torch's former name of ``forward_sync_buffers`` (reads and sets it)."""
+        return self.forward_sync_buffers
+
+    @broadcast_buffers.setter
+    def broadcast_buffers(self, value: bool) -> None:
+        self.forward_sync_buffers = value
+
     # Under torch.compile only the wrapped module is traced: this frame runs eagerly, and its
     # per-step work (the collectives, the bucket rebuild, the reducer's bookkeeping) happens in
     # the two functions below, which dynamo never enters. No graph break comes from tandem, and
     # the module's own graph is the same as without the wrapper. (torch's DDP is special-cased
-    # inside dynamo to the same effect.)
+    # inside dynamo to the same effect.) The module is called through `_run_module`, a frame of
+    # tandem's own where dynamo starts its graph: called straight from here, a module of torch's
+    # own (nn.Sequential, say) would not be compiled at all, dynamo skipping torch's frames.
     @torch.compiler.disable(recursive=False)
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Run the module; with grad enabled, arm the reducer for the coming backward."""
@@ -145,7 +238,7 @@ class DistributedDataParallel(nn.Module, Joinable):
                 lambda t: t.to(device, non_blocking=True), (inputs, kwargs)
             )
         with span("tandem.ddp.forward"):
-            output = self.module(*inputs, **kwargs)
+            output = _run_module(self.module, inputs, kwargs)
         if training:
             self._after_forward(output)
         return output
@@ -162,15 +255,55 @@ class DistributedDataParallel(nn.Module, Joinable):
             self.reducer.rebuild()
             self.sync_buffers(training=True)
             if announced is not None and not self.divide_by_initial_world_size:
-                self.reducer.scale = 1.0 / training_ranks(announced)
+                self.reducer.divisor = training_ranks(announced)
         if self._join_config.enable:
             self.announce_sync(joined=False)
         return training
 
+    def _arms_backward(self) -> bool:
+        # False while torch.func.functional_call has swapped the module's parameters for
+        # tensors of its own: as in torch's DDP, that forward's backward reduces nothing (the
+        # given tensors get their plain gradients, the module's parameters none); the rest of
+        # the forward (buffers broadcast, join) is as usual. One look at one parameter; only
+        # if it was swapped are the others looked at: some swapped and some not is the
+        # module's usual backward, whose missing gradients raise as usual.
+        owner, name, param = self._first_param
+        if owner._parameters.get(name) is param:
+            return True
+        for qualified, p in zip(self.reducer.names, self.reducer.params, strict=True):
+            path, _, attr = qualified.rpartition(".")
+            if self.module.get_submodule(path)._parameters.get(attr) is p:
+                return True
+        return False
+
     @torch.compiler.disable
     def _after_forward(self, output: Any) -> None:
+        if not self._arms_backward():
+            return
         self.reducer.prepare(output, sync=self.require_backward_grad_sync)
         backward_span("tandem.ddp.backward", output)  # after the reducer's hooks: ends after it
+
+    def join(
+        self,
+        divide_by_initial_world_size: bool = True,
+        enable: bool = True,
+        throw_on_early_termination: bool = False,
+    ) -> Join:
+        """torch's ``DistributedDataParallel.join``: ``tandem.join([self], ...)`` (see
+        ``tandem.parallel.join``), for training with uneven inputs across ranks.
+
+        Example::
+
+            with model.join():
+                for x, y in my_shard:        # ranks may hold different numbers of batches
+                    loss_fn(model(x), y).backward()
+        """
+        return join_context(
+            [self],
+            enable=enable,
+            throw_on_early_termination=throw_on_early_termination,
+            divide_by_initial_world_size=divide_by_initial_world_size,
+        )
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -202,15 +335,18 @@ class DistributedDataParallel(nn.Module, Joinable):
             raise ValueError(f"hook={hook!r} is not callable: pass hook(state, bucket) -> Future")
         self.reducer.set_hook(hook, state)
 
-    def sync_params_and_buffers(self, src: int = 0) -> None:
-        """Overwrite parameters and buffers with group rank ``src``'s (e.g. before evaluating).
+    def sync_params_and_buffers(self, src: int = 0, buffers: bool = True) -> None:
+        """Overwrite parameters and buffers (or only the parameters) with group rank ``src``'s
+        (e.g. before evaluating).
 
         Example::
 
             model.sync_params_and_buffers()
             evaluate(model)
         """
-        tensors = [p.data for p in self.module.parameters()] + list(self.module.buffers())
+        tensors = [p.data for p in self.module.parameters()]
+        if buffers:
+            tensors += list(self.module.buffers())
         broadcast_coalesced(tensors, self.process_group, src=src)
 
     def sync_buffers(self, training: bool) -> None:
@@ -220,13 +356,46 @@ class DistributedDataParallel(nn.Module, Joinable):
         BatchNorm drifts to its own data's statistics. Inside a join context rank 0 may have
         run out with stale statistics: the highest rank still training is the source.
         """
-        if not self.broadcast_buffers or not self._buffers_to_sync:
+        if not self.forward_sync_buffers or not self._buffer_slots:
             return
         src = common_rank(self, training) if self._join_config.enable else 0
+        # Read again every time (cheap: no walk over the modules): the module may have
+        # reassigned a buffer since the last forward.
+        buffers = [b for m, n in self._buffer_slots if (b := m._buffers.get(n)) is not None]
         with records.tagged(f"DDP buffer broadcast, step {self.reducer.progress.step}"):
-            broadcast_coalesced(
-                self._buffers_to_sync, self.process_group, src=src, wait=self._wait_buffers
+            broadcast_coalesced(buffers, self.process_group, src=src, wait=self._wait_buffers)
+
+    def _get_ddp_logging_data(self) -> dict[str, Any]:
+        """The fields of torch's ``_get_ddp_logging_data()`` that tandem.DDP keeps, with torch's
+        names and formats (torch's timings and environment variables are not among them).
+
+        Example::
+
+            model._get_ddp_logging_data()["num_buckets_reduced"]   # in the last backward
+        """
+        reducer = self.reducer
+        params = reducer.params
+        data: dict[str, Any] = {
+            "module_name": type(self.module).__name__,
+            "world_size": self.world_size,
+            "rank": dist.get_rank(self.process_group),
+            "backend_name": dist.get_backend(self.process_group),
+            "broadcast_buffers": int(self.forward_sync_buffers),
+            "find_unused_parameters": int(self.find_unused_parameters),
+            "gradient_as_bucket_view": int(self.gradient_as_bucket_view),
+            "bucket_cap_bytes": self.bucket_bytes_cap,
+            "bucket_sizes": self._initial_bucket_sizes,
+            "num_parameter_tensors": len(params),
+            "total_parameter_size_bytes": sum(p.numel() * p.element_size() for p in params),
+            "has_rebuilt_buckets": int(reducer.rebuilt and not reducer.find_unused),
+            "num_buckets_reduced": reducer.buckets_reduced,
+        }
+        if data["has_rebuilt_buckets"]:
+            data["rebuilt_bucket_sizes"] = _bucket_sizes(reducer)
+            data["rebuilt_per_bucket_param_indices"] = ", ".join(
+                " ".join(str(i) for i in bucket) for bucket in reducer.layout
             )
+        return data
 
     def _wait_buffers(self, work: dist.Work) -> None:
         self.reducer.wait(work, "buffer broadcast")
@@ -263,6 +432,100 @@ class DistributedDataParallel(nn.Module, Joinable):
 
 
 DDP = DistributedDataParallel
+
+
+def _run_module(module: nn.Module, inputs: tuple, kwargs: dict) -> Any:
+    # Its own frame, outside torch's code: under torch.compile the graph starts here.
+    return module(*inputs, **kwargs)
+
+
+def _refuse_unsupported(
+    delay_all_reduce_named_params: Any, param_to_hook_all_reduce: Any, mixed_precision: Any
+) -> None:
+    # torch 2.13 arguments that tandem.DDP does not implement: an error, never a silent ignore.
+    if (delay_all_reduce_named_params is None) != (param_to_hook_all_reduce is None):
+        raise ValueError(
+            "delay_all_reduce_named_params and param_to_hook_all_reduce need to be set at the "
+            "same time."
+        )
+    if delay_all_reduce_named_params is not None:
+        raise NotImplementedError(
+            "tandem.DDP: delay_all_reduce_named_params / param_to_hook_all_reduce are not "
+            "supported: tandem.DDP reduces every parameter that requires grad in its buckets, "
+            "overlapped with backward. Leave them unset (those parameters are then averaged "
+            "with the others), or use torch.nn.parallel.DistributedDataParallel"
+        )
+    if mixed_precision is not None:
+        raise NotImplementedError(
+            f"tandem.DDP: mixed_precision={mixed_precision!r} (torch's experimental DDP mixed "
+            "precision) is not supported: run the forward under torch.autocast, or use "
+            "tandem.Trainer's precision option"
+        )
+
+
+def _group_of_mesh(device_mesh: Any, process_group: Any) -> Any:
+    # torch's rules: a device_mesh replaces process_group, and must be one-dimensional.
+    if device_mesh is None:
+        return process_group
+    if process_group:
+        raise RuntimeError("Cannot specify both process_group and device_mesh arguments.")
+    if device_mesh.ndim != 1:
+        raise RuntimeError(f"Only 1D device mesh is supported, but got {device_mesh}.")
+    if device_mesh._get_root_mesh() != device_mesh:
+        raise NotImplementedError(
+            f"tandem.DDP: device_mesh={device_mesh} is sliced out of a larger mesh (data "
+            "parallel alongside tensor parallel), for which torch converts the module's DTensor "
+            "parameters; tandem.DDP does not. Use torch.nn.parallel.DistributedDataParallel "
+            "there, or pass process_group=device_mesh.get_group() for a module of plain tensors"
+        )
+    return device_mesh.get_group(mesh_dim=0)
+
+
+def _buffer_flags(broadcast_buffers: bool | None, forward_sync: bool | None) -> tuple[bool, bool]:
+    """(forward_sync_buffers, broadcast buffers at construction), with torch 2.13's warnings."""
+    if broadcast_buffers is not None:
+        if forward_sync is not None:
+            warnings.warn(
+                "Both `broadcast_buffers` and `forward_sync_buffers` were specified. "
+                "`broadcast_buffers` is deprecated and its value is ignored when "
+                "`forward_sync_buffers` is provided.",
+                FutureWarning,
+                stacklevel=3,
+            )
+        else:
+            warnings.warn(
+                "`broadcast_buffers` is deprecated. Use `forward_sync_buffers` instead. "
+                "IMPORTANT: unlike `broadcast_buffers=False`, `forward_sync_buffers=False` still "
+                "syncs buffers at init. If you rely on buffers NOT being synced at init (e.g. "
+                "rank-local buffers), keep using `broadcast_buffers=False`.",
+                FutureWarning,
+                stacklevel=3,
+            )
+    if forward_sync is not None:
+        return bool(forward_sync), True
+    effective = True if broadcast_buffers is None else bool(broadcast_buffers)
+    return effective, effective
+
+
+def _bucket_sizes(reducer: Reducer) -> str:
+    # torch's format of bucket sizes in its logging data: bytes, comma separated.
+    return ", ".join(str(b.flat.numel() * b.flat.element_size()) for b in reducer.buckets)
+
+
+def _trainable(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    # Shared parameters once (named_parameters removes duplicates), those that require grad.
+    return [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+
+
+def _buffer_slots(module: nn.Module) -> list[tuple[nn.Module, str]]:
+    """(module, name) of every buffer, each tensor once, in named_buffers() order."""
+    slots, seen = [], set()
+    for m in module.modules():
+        for name, b in m._buffers.items():
+            if b is not None and id(b) not in seen:
+                seen.add(id(b))
+                slots.append((m, name))
+    return slots
 
 
 def drop_zero_grads(model: nn.Module) -> int:

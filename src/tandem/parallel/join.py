@@ -13,10 +13,12 @@ iteration, every collective the others issue:
    so is tandem's end-of-backward check: the mean is the sum over the training ranks divided by
    the initial world size (or by the ranks still training, ``divide_by_initial_world_size=False``);
 4. once every rank has joined, the parameters and buffers of the last rank to join (the highest
-   such rank) are broadcast, so that every replica ends identical.
+   such rank) are broadcast, so that every replica ends identical (the buffers only with
+   ``forward_sync_buffers``, as in torch).
 
 The order of these collectives is torch's DDP's, so a loop written for torch's ``Join`` works
-unchanged, and both engines give the same bits (tests/distributed/test_ddp_join.py).
+unchanged, and both engines give the same bits (tests/distributed/test_ddp_join.py). Scripts
+written for torch call ``model.join()``: the same context, for that model.
 
 Example::
 
@@ -95,12 +97,13 @@ class DDPJoinHook(JoinHook):
         ddp.reducer.shadow_backward()
 
     def post_hook(self, is_last_joiner: bool) -> None:
-        """Every rank takes the model of the last rank to join."""
+        """Every rank takes the model of the last rank to join (its buffers too, unless
+        ``forward_sync_buffers=False``: rank-local buffers stay the rank's, as in torch)."""
         ddp = self.ddp
         src = common_rank(ddp, is_last_joiner)
-        ddp.sync_params_and_buffers(src=src)
+        ddp.sync_params_and_buffers(src=src, buffers=ddp.forward_sync_buffers)
         ddp.divide_by_initial_world_size = True
-        ddp.reducer.scale = 1.0 / ddp.reducer.world_size
+        ddp.reducer.divisor = ddp.reducer.world_size
 
 
 def common_rank(ddp: DistributedDataParallel, candidate: bool) -> int:

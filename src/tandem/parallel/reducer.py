@@ -19,7 +19,11 @@ One iteration, as the reducer sees it:
    rank never got), wait for every bucket, give the means to ``.grad``, and agree across ranks
    on how many gradients each rank missed (and, with find_unused_parameters, on which were used
    anywhere): see :mod:`tandem.parallel.agreement` (on the CPU the check rides in the last
-   bucket and costs no collective unless some rank has something to say).
+   bucket and costs no collective unless some rank has something to say). With
+   find_unused_parameters no gradient counts as missed: a parameter behind an output the loss
+   left out is unused, as in torch (whose ``_DDPSink`` gives such outputs an undefined
+   gradient). A parameter is used only where its gradient was defined, and one used on no rank
+   keeps its ``.grad`` as it is (None stays None).
 
 The means reach ``.grad`` without a copy where it counts: a large gradient (see
 ``LARGE_GRADIENT``) becomes a view of its bucket's buffer. At the next forward the bucket takes
@@ -94,30 +98,46 @@ class Reducer(ReducerLayout):
         find_unused_parameters: bool = False,
         gradient_as_bucket_view: bool = False,
         static_graph: bool = False,
+        bucket_cap_mb_list: Sequence[float] | None = None,
+        skip_all_reduce_unused_params: bool = False,
+        batched_grad_copy: bool = False,
     ) -> None:
         self.params = list(params)
         self.names = list(names)
         self.group = group
         self.world_size = group_size(group)
-        self.cap_bytes, self.first_cap_bytes = bucket_caps(bucket_cap_mb, first_bucket_cap_mb)
+        self.caps = bucket_caps(bucket_cap_mb, first_bucket_cap_mb, bucket_cap_mb_list)
         self.find_unused = find_unused_parameters and not static_graph
         self.static_graph = static_graph
         self.as_view = gradient_as_bucket_view
+        # torch's skip_all_reduce_unused_params: a bucket of parameters all unused in this
+        # backward (the same ones on every rank: the user's promise) is not reduced, and its
+        # parameters' .grad are left as they are.
+        self.skip_unused = skip_all_reduce_unused_params
+        self.skipped: list[bool] | None = None  # per bucket, in this backward
+        self.buckets_reduced = 0  # in the last reducing backward (torch's num_buckets_reduced)
+        # torch's batched_grad_copy: every gradient is copied in when its bucket is full, and
+        # the bucket divided by the world size (torch divides there, where it otherwise
+        # multiplies by the reciprocal: other bits at a world size that is no power of two).
+        self.batched = batched_grad_copy
         self.hook: CommHook | None = None
         self.hook_state: Any = None
         # Training steps started, and a wait on every collective that names a rank that can
         # never join the current step (one that ran out of data), instead of a 30-minute hang.
         self.progress = lockstep.track(group)
-        # Divide while copying in: one pass over memory, and torch's exact bits.
-        self.scale = 1.0 / self.world_size
+        # What the sum is divided by: the world size, or inside tandem.join with
+        # divide_by_initial_world_size=False the ranks still training. Divided while copying in
+        # (times the reciprocal): one pass over memory, and torch's exact bits.
+        self.divisor = self.world_size
 
         # Before any backward the ready order is unknown. torch then uses one bucket (so that
         # no all-reduce can start on a guess), except with find_unused_parameters, whose
         # buckets are cut once from the reversed registration order and kept.
-        self.eager = [p.numel() >= LARGE_GRADIENT for p in self.params]
+        self.eager = [p.numel() >= LARGE_GRADIENT and not self.batched for p in self.params]
         self.rebuilt = self.find_unused
         self.ready_order: list[int] = []
-        if self.find_unused:
+        if self.find_unused or bucket_cap_mb_list:
+            # (torch cuts the first buckets by bucket_cap_mb_list too, whatever the mode)
             self._install(self._layout(list(range(len(self.params))), reverse=True))
         else:
             self._install(self._layout(list(range(len(self.params))), one_bucket=True))
@@ -136,7 +156,9 @@ class Reducer(ReducerLayout):
         self.finalize_queued = False
         self.unused: list[int] = []
         self.deferred: list[int] = []  # unreached, but maybe behind a custom autograd Function
-        self.used = [False] * len(self.params)  # survives no_sync iterations, as torch's map
+        # Which parameters got a defined gradient since the last reducing backward (no_sync
+        # iterations included, as torch's map): kept with find_unused_parameters only.
+        self.used = [False] * len(self.params)
         # static_graph: hook firings per parameter in the first backward, and in this one.
         self.expected_fires: list[int] | None = None
         self.fires = [0] * len(self.params)
@@ -156,13 +178,14 @@ class Reducer(ReducerLayout):
             return
         self.marked = [False] * len(self.params)
         self.next_bucket = 0
+        self.buckets_reduced = 0
         self.held = False
         self.futures = [None] * len(self.buckets)
         self.finalize_queued = False
         self.recording = self._recording()
         self.check_in_bucket = self._checks_in_bucket()
         # The division by the world size is folded into the copy, unless a hook does it.
-        self.fill_scale = self.scale if self.hook is None and self.world_size > 1 else None
+        self.fill_scale = 1.0 / self.divisor if self.hook is None and self.world_size > 1 else None
         for bucket in self.buckets:
             if bucket.handed_over:
                 self._reclaim(bucket)
@@ -200,6 +223,8 @@ class Reducer(ReducerLayout):
         Variable._execution_engine.queue_callback(self._finalize)
         # Parameters known to get no gradient are marked here, inside backward, rather than in
         # prepare(): launching their bucket must wait for backward to exist.
+        if self.skip_unused:
+            self.skipped = self._unused_buckets()
         if self.static_graph and self.expected_fires is not None:
             for i, n in enumerate(self.expected_fires):
                 if n == 0:
@@ -207,10 +232,24 @@ class Reducer(ReducerLayout):
         for i in self.unused:
             self._mark(i)
 
+    def _unused_buckets(self) -> list[bool] | None:
+        # The buckets whose parameters are all known unused at the start of this backward.
+        if self.static_graph and self.expected_fires is not None:
+            unused = {i for i, n in enumerate(self.expected_fires) if n == 0}
+        else:
+            unused = set(self.unused)
+        if not unused:
+            return None
+        return [all(i in unused for i in b.params) for b in self.buckets]
+
     def _on_grad(self, i: int, param: torch.Tensor) -> None:
         phase = self.phase
+        # The used map (read only with find_unused_parameters): the hook also fires for an
+        # undefined gradient (torch._C._functions.UndefinedGrad), and such a parameter is not
+        # used (torch's rule: its .grad is then left alone, None stays None).
         if phase is Phase.REDUCE:
-            self.used[i] = True
+            if self.find_unused and param.grad is not None:
+                self.used[i] = True
             if not self.finalize_queued:
                 self._begin_backward()
             if self.static_graph:
@@ -222,7 +261,7 @@ class Reducer(ReducerLayout):
             if self.recording:
                 self.ready_order.append(i)  # real gradients only: the unused are not in order
             self._mark(i)
-        elif phase is Phase.ACCUMULATE:
+        elif phase is Phase.ACCUMULATE and self.find_unused and param.grad is not None:
             self.used[i] = True
 
     def _mark(self, i: int) -> None:
@@ -291,7 +330,7 @@ class Reducer(ReducerLayout):
                 # The common case: one call copies, one kernel scales the whole buffer.
                 torch._foreach_copy_(bucket.views, grads)
                 if scale is not None:
-                    bucket.flat.mul_(scale)
+                    self._scale_flat(bucket.flat, scale)
                 return
         copy_views, copy_grads, scaled = [], [], []
         for i, view in zip(bucket.params, bucket.views, strict=True):
@@ -313,9 +352,15 @@ class Reducer(ReducerLayout):
         if scale is None:
             return
         if not self.has_eager[bucket.index]:
-            bucket.flat.mul_(scale)  # every slot is this call's to scale (zeros stay zeros)
+            self._scale_flat(bucket.flat, scale)  # every slot is this call's (zeros stay zeros)
         elif scaled:
             torch._foreach_mul_(scaled, scale)
+
+    def _scale_flat(self, flat: torch.Tensor, scale: float) -> None:
+        if self.batched:
+            flat.div_(self.divisor)  # torch's batched_grad_copy divides
+        else:
+            flat.mul_(scale)
 
     def _launch(self, bucket: Bucket) -> torch.futures.Future | dist.Work:
         what = f"DDP bucket {bucket.index}, step {self.progress.step}"
@@ -324,6 +369,9 @@ class Reducer(ReducerLayout):
 
     def _reduce(self, bucket: Bucket) -> torch.futures.Future | dist.Work:
         self._fill(bucket)
+        if self.skipped is not None and self.skipped[bucket.index]:
+            return completed(bucket.flat)  # skip_all_reduce_unused_params: no collective
+        self.buckets_reduced += 1
         if self.hook is not None:
             is_last = bucket.index == len(self.buckets) - 1
             grads = GradBucket(
@@ -353,6 +401,9 @@ class Reducer(ReducerLayout):
         # Gradients this rank never got go out as zeros (see _fill), so that no rank waits on
         # a collective this rank would never issue; _check then tells every rank what happened.
         missing = [] if first_static else [i for i, m in enumerate(self.marked) if not m]
+        if missing and self.find_unused:
+            self._mark_left_out(missing)
+            missing = []
         agree_used = self._used_map_travels()
         write_back_now = not missing and not agree_used and self.static_used is None
         for k, bucket in enumerate(self.buckets):
@@ -391,9 +442,29 @@ class Reducer(ReducerLayout):
             self.static_used = used
         elif self.static_used is not None:
             used = self.static_used
-        self.used = [False] * len(self.params)
-        if not write_back_now:
+        if self.find_unused or first_static:
+            self.used = [False] * len(self.params)
+        skipped, self.skipped = self.skipped, None
+        if skipped is not None:
+            # Skipped buckets are not finalized: their .grad stay as they are (torch).
+            kept = [i for b in self.buckets if not skipped[b.index] for i in b.params]
+            self._write_back(kept, used)
+        elif not write_back_now:
             self._write_back(range(len(self.params)), used)
+
+    def _mark_left_out(self, indices: list[int]) -> None:
+        """find_unused_parameters: parameters the outputs reach but the loss did not.
+
+        torch passes the outputs through an autograd Function (``_DDPSink``) that gives the
+        outputs the loss left out an undefined gradient, so that backward still visits their
+        parameters and each is marked ready, used only if its ``.grad`` is defined. The same,
+        without a Function: those parameters are marked here, at the end of backward (their
+        gradients, and so their buckets, are the same).
+        """
+        for i in indices:
+            if self.params[i].grad is not None:
+                self.used[i] = True
+            self._mark(i)
 
     def _used_map_travels(self) -> bool:
         # In this backward the ranks agree on which parameters were used anywhere:
@@ -406,6 +477,7 @@ class Reducer(ReducerLayout):
             self.on_cpu
             and self.world_size > 1
             and self.hook is None
+            and not self.skip_unused
             and not self._used_map_travels()
             and bool(self.buckets)
             and self.buckets[-1].flat.numel() > 0

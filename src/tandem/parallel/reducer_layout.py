@@ -14,7 +14,7 @@ per-iteration hooks, launches and the end of backward.
 
 Example::
 
-    bucket_caps(None, None)          # torch's defaults: (25 MiB, 1 MiB) in bytes
+    bucket_caps(None, None)          # torch's defaults: [1 MiB, 25 MiB] in bytes
     reducer.state_dict()             # {"rebuilt": True, "layout": [[5, 4], [3, 2, 1, 0]], ...}
 """
 
@@ -55,16 +55,34 @@ def _unreferenced(flat: torch.Tensor, views: list[torch.Tensor]) -> bool:
     return torch._C._storage_Use_Count(flat.untyped_storage()._cdata) == len(views) + 2
 
 
-def bucket_caps(bucket_cap_mb: float | None, first_bucket_cap_mb: float | None) -> tuple[int, int]:
-    """(cap, first cap) in bytes, by torch's rule; ValueError for a cap that is not positive."""
-    cap_mb = DEFAULT_BUCKET_MB if bucket_cap_mb is None else bucket_cap_mb
-    if first_bucket_cap_mb is None:
-        first_bucket_cap_mb = DEFAULT_FIRST_BUCKET_MB if bucket_cap_mb is None else cap_mb
-    for name, mb in (("bucket_cap_mb", cap_mb), ("first_bucket_cap_mb", first_bucket_cap_mb)):
+def bucket_caps(
+    bucket_cap_mb: float | None,
+    first_bucket_cap_mb: float | None,
+    bucket_cap_mb_list: Sequence[float] | None = None,
+) -> list[int]:
+    """The caps in bytes of each dtype's first, second, ... bucket, the last one repeated.
+
+    torch's rule: ``[1 MiB, 25 MiB]`` by default, ``[cap, cap]`` for an explicit
+    ``bucket_cap_mb``, or ``bucket_cap_mb_list`` as given (``bucket_cap_mb`` is then ignored,
+    as in torch). ValueError for a cap that is not positive.
+    """
+    if bucket_cap_mb_list:
+        if first_bucket_cap_mb is not None:
+            raise ValueError(
+                f"bucket_cap_mb_list={list(bucket_cap_mb_list)} and first_bucket_cap_mb="
+                f"{first_bucket_cap_mb} both set the first bucket's cap: pass one of them"
+            )
+        named = [(f"bucket_cap_mb_list[{k}]", mb) for k, mb in enumerate(bucket_cap_mb_list)]
+    else:
+        cap_mb = DEFAULT_BUCKET_MB if bucket_cap_mb is None else bucket_cap_mb
+        if first_bucket_cap_mb is None:
+            first_bucket_cap_mb = DEFAULT_FIRST_BUCKET_MB if bucket_cap_mb is None else cap_mb
+        named = [("first_bucket_cap_mb", first_bucket_cap_mb), ("bucket_cap_mb", cap_mb)]
+    for name, mb in named:
         if not mb > 0:
             raise ValueError(f"{name}={mb} must be a positive number of MiB")
     # At least one byte: a tiny cap means one parameter per bucket, not an invalid cap.
-    return max(1, int(cap_mb * MIB)), max(1, int(first_bucket_cap_mb * MIB))
+    return [max(1, int(mb * MIB)) for _, mb in named]
 
 
 class ReducerLayout:
@@ -74,8 +92,7 @@ class ReducerLayout:
     params: list[torch.Tensor]
     group: dist.ProcessGroup | None
     world_size: int
-    cap_bytes: int
-    first_cap_bytes: int
+    caps: list[int]  # bytes: each dtype's first, second, ... bucket (see bucket_caps)
     as_view: bool
     static_graph: bool
     eager: list[bool]  # copied in as soon as ready (see reducer.LARGE_GRADIENT)
@@ -97,13 +114,13 @@ class ReducerLayout:
         keys = [(p.dtype, p.device) for p in self.params]
         if one_bucket:
             return list(reversed(assign_buckets(sizes, keys, order, sys.maxsize, sys.maxsize)))
-        layout = assign_buckets(sizes, keys, order, self.cap_bytes, self.first_cap_bytes)
+        layout = assign_buckets(sizes, keys, order, self.caps[-1], self.caps[0], caps=self.caps)
         return list(reversed(layout)) if reverse else layout
 
     def _install(self, layout: list[list[int]]) -> None:
         self.buckets: list[Bucket] = build_buckets(layout, self.params)
         self.has_eager = [any(self.eager[i] for i in b.params) for b in self.buckets]
-        self.bucket_of = [self.buckets[0]] * len(self.params)
+        self.bucket_of = [self.buckets[0]] * len(self.params) if self.buckets else []
         self.views: list[torch.Tensor] = [torch.empty(0)] * len(self.params)
         for bucket in self.buckets:
             for slot, i in enumerate(bucket.params):
@@ -146,7 +163,8 @@ class ReducerLayout:
         self._write_back(bucket.params, None)
 
     def _write_back(self, indices: Sequence[int], used: list[bool] | None) -> None:
-        """Give parameters ``indices`` their mean gradient (``used``: who had one anywhere).
+        """Give parameters ``indices`` their mean gradient (``used``: which were used on some
+        rank; the others keep their ``.grad`` as it is, as under torch's DDP).
 
         A large gradient takes its slot of the bucket as it is (see the module doc); small ones
         are copied, in one call.
@@ -155,8 +173,11 @@ class ReducerLayout:
         hand_over = CAN_HAND_OVER and self.hook is None and not self.as_view
         for i in indices:
             p, view = self.params[i], self.views[i]
-            if p.grad is None and (used is None or not used[i]):
-                continue  # no gradient anywhere: it stays None, as under torch's DDP
+            if used is not None:
+                if not used[i]:
+                    continue  # used on no rank: .grad left as it is (None stays None)
+            elif p.grad is None:
+                continue
             if p.grad is view:
                 continue  # gradient_as_bucket_view: already there
             if self.as_view:
