@@ -131,6 +131,10 @@ def run_ranks(
                 "LOCAL_WORLD_SIZE": str(world_size),
                 "GROUP_RANK": "0",
             }
+            # The ranks fork from a server started with the environment of its first use: the
+            # test's own report folder (conftest's, or the test's) is handed down explicitly.
+            if "TANDEM_REPORT_DIR" in os.environ:
+                rank_env["TANDEM_REPORT_DIR"] = os.environ["TANDEM_REPORT_DIR"]
             for key, value in (env or {}).items():
                 rank_env[key] = value.replace("{rank}", str(rank))
             p = _CTX.Process(
