@@ -57,64 +57,33 @@ from torch.utils.data import DistributedSampler, TensorDataset
 from tandem.data.eval_sampler import shard_range
 from tandem.train.trainer import Trainer
 from tests.cuda import gpu
+
+# The CPU test's data, model, optimizer and Trainer: the same run, on the GPU here.
+from tests.distributed.test_trainer_precision import (
+    ACCUM,
+    BATCH,
+    CLIP,
+    EPOCHS,
+    N_EVAL,
+    _data,
+    _model,
+    _optimizer,
+    _trainer,
+)
 from tests.harness import run_ranks
 
 pytestmark = pytest.mark.cuda
 
 WORLD = 2
-EPOCHS = 2
-BATCH = 4
-ACCUM = 2
-CLIP = 0.5
-N_TRAIN, N_EVAL = 40, 11  # 20 per rank: 5 batches, steps of 2, 2, 1
 PRECISIONS = ("bf16-mixed", "fp16-mixed", "bf16-true")
 
 
 # The precisions: the Trainer against a hand-written torch loop.
 
 
-def _data() -> tuple[TensorDataset, TensorDataset]:
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(N_TRAIN + N_EVAL, 8, generator=g) * 2
-    y = (x[:, 0] > 0).long() + (x[:, 1] > 0.5).long()
-    return TensorDataset(x[:N_TRAIN], y[:N_TRAIN]), TensorDataset(x[N_TRAIN:], y[N_TRAIN:])
-
-
-def _model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 3)
-    )
-
-
-def _optimizer(params) -> torch.optim.Optimizer:
-    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
-
-
 def _autocast(precision: str, dev: torch.device) -> contextlib.AbstractContextManager:
     dtype = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}.get(precision)
     return torch.autocast(dev.type, dtype=dtype) if dtype else contextlib.nullcontext()
-
-
-def _trainer(run_dir: str, precision: str | None, epochs: int = EPOCHS, **kwargs) -> Trainer:
-    train_set, eval_set = _data()
-    return Trainer(
-        _model(),
-        _optimizer,
-        train_set,
-        loss_fn=F.cross_entropy,
-        eval_data=eval_set,
-        max_epochs=epochs,
-        save_every=1,
-        batch_size=BATCH,
-        eval_batch_size=N_EVAL,  # one batch per rank's shard
-        grad_accum_steps=ACCUM,
-        run_dir=run_dir,
-        precision=precision,
-        clip_grad_norm=CLIP,
-        progress=False,
-        **kwargs,
-    )
 
 
 def _sum(values: list[float], world: int, dev: torch.device) -> list[float]:
