@@ -40,7 +40,6 @@ Proves (mirroring tests/distributed/test_trainer_precision.py and test_trainer_r
 
 from __future__ import annotations
 
-import contextlib
 import os
 import subprocess
 import sys
@@ -51,10 +50,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel as TorchDDP
-from torch.utils.data import DistributedSampler, TensorDataset
+from torch.utils.data import TensorDataset
 
-from tandem.data.eval_sampler import shard_range
 from tandem.train.trainer import Trainer
 from tests.cuda import gpu
 
@@ -62,12 +59,8 @@ from tests.cuda import gpu
 from tests.distributed.test_trainer_precision import (
     ACCUM,
     BATCH,
-    CLIP,
     EPOCHS,
-    N_EVAL,
-    _data,
-    _model,
-    _optimizer,
+    _hand_loop,
     _trainer,
 )
 from tests.harness import run_ranks
@@ -81,79 +74,6 @@ PRECISIONS = ("bf16-mixed", "fp16-mixed", "bf16-true")
 # The precisions: the Trainer against a hand-written torch loop.
 
 
-def _autocast(precision: str, dev: torch.device) -> contextlib.AbstractContextManager:
-    dtype = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}.get(precision)
-    return torch.autocast(dev.type, dtype=dtype) if dtype else contextlib.nullcontext()
-
-
-def _sum(values: list[float], world: int, dev: torch.device) -> list[float]:
-    """The ranks' float64 sums (on the device: NCCL takes no CPU tensors)."""
-    t = torch.tensor(values, dtype=torch.float64, device=dev)
-    if world > 1:
-        dist.all_reduce(t)
-    return t.tolist()
-
-
-def _hand_loop(precision: str, scaler: torch.amp.GradScaler | None, world: int, rank: int):
-    """The same training written out by hand on the device, torch's own DDP when there are
-    ranks."""
-    dev = gpu.device()
-    train_set, eval_set = _data()
-    x_all, y_all = train_set.tensors
-    model = _model().to(dev)
-    if precision == "bf16-true":
-        model.to(torch.bfloat16)
-    ddp = TorchDDP(model) if world > 1 else model
-    opt = _optimizer(model.parameters())
-
-    def cast(t: torch.Tensor) -> torch.Tensor:
-        t = t.to(dev)
-        return t.bfloat16() if precision == "bf16-true" else t
-
-    losses, norms, unchanged = [], [], 0
-    for epoch in range(EPOCHS):
-        sampler = DistributedSampler(train_set, world, rank, shuffle=True, seed=0)
-        sampler.set_epoch(epoch)
-        order = list(sampler)
-        batches = [order[i : i + BATCH] for i in range(0, len(order), BATCH)]
-        total, count = 0.0, 0
-        for start in range(0, len(batches), ACCUM):
-            group = batches[start : start + ACCUM]
-            for i, index in enumerate(group):
-                last = i == len(group) - 1
-                with contextlib.nullcontext() if last or world == 1 else ddp.no_sync():
-                    with _autocast(precision, dev):
-                        loss = F.cross_entropy(ddp(cast(x_all[index])), y_all[index].to(dev))
-                    scaled = loss * (1 / len(group))
-                    (scaler.scale(scaled) if scaler is not None else scaled).backward()
-                total += loss.item() * len(index)
-                count += len(index)
-            before = [p.detach().clone() for p in model.parameters()]
-            if scaler is not None:
-                scaler.unscale_(opt)
-            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
-            if scaler is not None:
-                scaler.step(opt)
-                scaler.update()
-            else:
-                opt.step()
-            opt.zero_grad()
-            unchanged += all(
-                torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True)
-            )
-        total, count = _sum([total, count], world, dev)
-        # Evaluation: this rank's EvalSampler shard, one batch, as the Trainer's.
-        x_eval, y_eval = eval_set.tensors
-        shard = list(shard_range(N_EVAL, world, rank))
-        with torch.no_grad(), _autocast(precision, dev):
-            eval_loss = F.cross_entropy(model(cast(x_eval[shard])), y_eval[shard].to(dev))
-        eval_total, eval_count = _sum(
-            [float(eval_loss.double()) * len(shard), len(shard)], world, dev
-        )
-        losses.append((total / count, eval_total / eval_count))
-    return model, losses, norms[-1], unchanged
-
-
 def _parity(run_dir: str) -> dict:
     gpu.deterministic()
     dev = gpu.device()
@@ -163,7 +83,7 @@ def _parity(run_dir: str) -> dict:
         trainer = _trainer(str(Path(run_dir, precision)), precision)
         summary = trainer.train()
         scaler = torch.amp.GradScaler(dev.type) if precision == "fp16-mixed" else None
-        model, losses, norm, _ = _hand_loop(precision, scaler, world, rank)
+        model, losses, norm, _ = _hand_loop(precision, scaler, world, rank, dev)
         results[precision] = {
             "same_params": all(
                 torch.equal(a, b)
@@ -222,7 +142,7 @@ def _skips(run_dir: str) -> dict:
     gpu.deterministic()
     whole = _trainer(str(Path(run_dir, "whole")), None, scaler=_high_scaler())
     whole.train()
-    model, _, _, unchanged = _hand_loop("fp16-mixed", _high_scaler(), 1, 0)
+    model, _, _, unchanged = _hand_loop("fp16-mixed", _high_scaler(), 1, 0, gpu.device())
     same = all(
         torch.equal(a, b)
         for a, b in zip(whole.module.parameters(), model.parameters(), strict=True)

@@ -66,6 +66,7 @@ BATCH = 4
 ACCUM = 2
 CLIP = 0.5
 N_TRAIN, N_EVAL = 40, 11  # 20 per rank: 5 batches, steps of 2, 2, 1
+CPU = torch.device("cpu")
 
 
 def _data() -> tuple[TensorDataset, TensorDataset]:
@@ -86,9 +87,17 @@ def _optimizer(params) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.1, momentum=0.9)
 
 
-def _autocast(precision: str) -> contextlib.AbstractContextManager:
+def _autocast(precision: str, device_type: str = "cpu") -> contextlib.AbstractContextManager:
     dtype = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}.get(precision)
-    return torch.autocast("cpu", dtype=dtype) if dtype else contextlib.nullcontext()
+    return torch.autocast(device_type, dtype=dtype) if dtype else contextlib.nullcontext()
+
+
+def _sum(values: list[float], world: int, device: torch.device) -> list[float]:
+    """The ranks' float64 sums (on ``device``: NCCL takes no CPU tensors)."""
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if world > 1:
+        dist.all_reduce(t)
+    return t.tolist()
 
 
 def _trainer(
@@ -119,16 +128,27 @@ def _trainer(
     )
 
 
-def _hand_loop(precision: str, scaler: torch.amp.GradScaler | None, world: int, rank: int):
-    """The same training written out by hand, torch's own DDP when there are ranks."""
+def _hand_loop(
+    precision: str,
+    scaler: torch.amp.GradScaler | None,
+    world: int,
+    rank: int,
+    device: torch.device = CPU,
+):
+    """The same training written out by hand on ``device``, torch's own DDP when there are
+    ranks (tests/cuda runs it on a GPU)."""
     train_set, eval_set = _data()
     x_all, y_all = train_set.tensors
-    model = _model()
+    model = _model().to(device)
     if precision == "bf16-true":
         model.to(torch.bfloat16)
     ddp = TorchDDP(model) if world > 1 else model
     opt = _optimizer(model.parameters())
-    cast = (lambda t: t.bfloat16()) if precision == "bf16-true" else (lambda t: t)
+
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        t = t.to(device)
+        return t.bfloat16() if precision == "bf16-true" else t
+
     losses, norms, unchanged = [], [], 0
     for epoch in range(EPOCHS):
         sampler = DistributedSampler(train_set, world, rank, shuffle=True, seed=0)
@@ -141,8 +161,8 @@ def _hand_loop(precision: str, scaler: torch.amp.GradScaler | None, world: int, 
             for i, index in enumerate(group):
                 last = i == len(group) - 1
                 with contextlib.nullcontext() if last or world == 1 else ddp.no_sync():
-                    with _autocast(precision):
-                        loss = F.cross_entropy(ddp(cast(x_all[index])), y_all[index])
+                    with _autocast(precision, device.type):
+                        loss = F.cross_entropy(ddp(cast(x_all[index])), y_all[index].to(device))
                     scaled = loss * (1 / len(group))
                     (scaler.scale(scaled) if scaler is not None else scaled).backward()
                 total += loss.item() * len(index)
@@ -160,21 +180,15 @@ def _hand_loop(precision: str, scaler: torch.amp.GradScaler | None, world: int, 
             unchanged += all(
                 torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True)
             )
-        sums = torch.tensor([total, count], dtype=torch.float64)
-        if world > 1:
-            dist.all_reduce(sums)
-        total, count = sums.tolist()
+        total, count = _sum([total, count], world, device)
         # Evaluation: this rank's EvalSampler shard, one batch, as the Trainer's.
         x_eval, y_eval = eval_set.tensors
         shard = list(shard_range(N_EVAL, world, rank))
-        with torch.no_grad(), _autocast(precision):
-            eval_loss = F.cross_entropy(model(cast(x_eval[shard])), y_eval[shard])
-        eval_sums = torch.tensor(
-            [float(eval_loss.double()) * len(shard), len(shard)], dtype=torch.float64
+        with torch.no_grad(), _autocast(precision, device.type):
+            eval_loss = F.cross_entropy(model(cast(x_eval[shard])), y_eval[shard].to(device))
+        eval_total, eval_count = _sum(
+            [float(eval_loss.double()) * len(shard), len(shard)], world, device
         )
-        if world > 1:
-            dist.all_reduce(eval_sums)
-        eval_total, eval_count = eval_sums.tolist()
         losses.append((total / count, eval_total / eval_count))
     return model, losses, norms[-1], unchanged
 
@@ -300,18 +314,14 @@ def _fsdp2_loop(precision: str, scaler, world: int, rank: int):
             changed = torch.tensor([0.0 if same else 1.0])
             dist.all_reduce(changed)
             unchanged += changed.item() == 0
-        sums = torch.tensor([total, count], dtype=torch.float64)
-        dist.all_reduce(sums)
-        total, count = sums.tolist()
+        total, count = _sum([total, count], world, CPU)
         x_eval, y_eval = eval_set.tensors
         shard = list(shard_range(N_EVAL, world, rank))
         with torch.no_grad(), _autocast(precision):
             eval_loss = F.cross_entropy(model(x_eval[shard]), y_eval[shard])
-        eval_sums = torch.tensor(
-            [float(eval_loss.double()) * len(shard), len(shard)], dtype=torch.float64
+        eval_total, eval_count = _sum(
+            [float(eval_loss.double()) * len(shard), len(shard)], world, CPU
         )
-        dist.all_reduce(eval_sums)
-        eval_total, eval_count = eval_sums.tolist()
         losses.append((total / count, eval_total / eval_count))
     weights = {k: v.full_tensor() for k, v in model.state_dict().items()}
     return weights, losses, unchanged
