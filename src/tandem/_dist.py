@@ -15,11 +15,13 @@ Example::
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from tandem.doctor import records
 
 
 def initialized() -> bool:
@@ -132,3 +134,54 @@ def require_process_group(wrapper: str) -> None:
             f"Call tandem.init() (or torch.distributed.init_process_group()) before "
             f"constructing {wrapper}."
         )
+
+
+# The few collectives every rank calls at the same point of a training loop, each skipped
+# when the job has one process, each returning the same value on every rank (a decision made
+# from one rank's state becomes an action on all of them instead of a hang).
+
+
+def sum_over_ranks(values: Sequence[float]) -> list[float]:
+    """Element-wise sum of a few numbers over ranks, in float64 (exact for counts < 2**53)."""
+    if group_size() == 1:
+        return [float(v) for v in values]
+    tensor = torch.tensor(list(values), dtype=torch.float64, device=backend_device())
+    dist.all_reduce(tensor)
+    return tensor.tolist()
+
+
+def start_sum_over_ranks(values: Sequence[float]) -> Callable[[], list[float]]:
+    """:func:`sum_over_ranks` issued now, in the background; call the result for the sums.
+
+    Example::
+
+        >>> start_sum_over_ranks([1.0, 2.0])()   # one process: the values themselves
+        [1.0, 2.0]
+    """
+    if group_size() == 1:
+        sums = [float(v) for v in values]
+        return lambda: sums
+    tensor = torch.tensor(list(values), dtype=torch.float64, device=backend_device())
+    with records.tagged("Trainer step agreement"):
+        work = dist.all_reduce(tensor, async_op=True)
+
+    def result() -> list[float]:
+        records.wait(work)  # on Gloo, a mismatch the doctor finds is raised here
+        return tensor.tolist()
+
+    return result
+
+
+def from_rank0(obj: Any) -> Any:
+    """Rank 0's ``obj`` on every rank (the others pass anything, e.g. None)."""
+    if group_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def wait_for_all() -> None:
+    """Return once every rank has called this (a barrier)."""
+    if group_size() > 1:
+        dist.barrier()

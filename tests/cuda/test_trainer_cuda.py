@@ -254,7 +254,7 @@ def _resume_phase(run_dir: str, checkpoint: str, elsewhere: str) -> dict:
     ``run_dir``'s latest: every generator is restored, so what ran before cannot matter."""
     gpu.deterministic()
     gpu.device()
-    import tandem.train.rng as rng
+    import tandem.checkpoint.rng as rng
 
     restore_cuda = rng._restore_cuda
     rng._restore_cuda = lambda saved: None
@@ -281,7 +281,7 @@ _CPU_READER = """
 import sys
 import torch
 from tandem.cli import main
-from tandem.train.checkpoint import load_checkpoint
+from tandem.checkpoint.run_dir import load_checkpoint
 
 run_dir, out, summary = sys.argv[1:]
 status = main(["export", run_dir, out])

@@ -37,10 +37,10 @@ from torch import nn
 
 import tandem
 import tandem.checkpoint as ckpt
-import tandem.train.checkpoint_steps as steps
+import tandem.checkpoint.phases as steps
+from tandem.checkpoint.run_dir import CheckpointError
+from tandem.checkpoint.shards import shard_path
 from tandem.data import DistributedSampler
-from tandem.train.checkpoint import CheckpointError
-from tandem.train.shard_files import shard_path
 from tests.harness import run_ranks
 
 X = torch.randn(26, 6, generator=torch.Generator().manual_seed(0))

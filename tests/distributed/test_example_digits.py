@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
+from tandem.checkpoint.run_dir import list_checkpoints
 from tandem.examples.digits import load_data, make_model
-from tandem.train.checkpoint import list_checkpoints
 from tests.launching import clean_env, tandem_run_module
 
 EPOCHS = 15

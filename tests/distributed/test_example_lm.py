@@ -22,6 +22,7 @@ import subprocess
 
 import torch
 
+from tandem.checkpoint.run_dir import list_checkpoints
 from tandem.examples.lm import (
     VOCAB,
     LMConfig,
@@ -31,7 +32,6 @@ from tandem.examples.lm import (
     make_model,
     warmup_cosine,
 )
-from tandem.train.checkpoint import list_checkpoints
 from tests.launching import clean_env, tandem_run_module
 
 EPOCHS = 6

@@ -23,8 +23,8 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import tandem
+from tandem.checkpoint.run_dir import latest_checkpoint
 from tandem.cli import main as cli
-from tandem.train.checkpoint import latest_checkpoint
 from tandem.train.trainer import Trainer
 from tests.harness import run_ranks
 

@@ -28,7 +28,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import tandem
-from tandem.train.checkpoint import list_checkpoints
+from tandem.checkpoint.run_dir import list_checkpoints
 from tandem.train.trainer import Trainer
 from tests.harness import run_ranks
 
@@ -173,7 +173,7 @@ def test_bad_arguments(tmp_path, kwargs, words):
 
 
 def test_missing_explicit_checkpoint_is_a_checkpoint_error(tmp_path):
-    from tandem.train.checkpoint import CheckpointError
+    from tandem.checkpoint.run_dir import CheckpointError
 
     with pytest.raises(CheckpointError, match=str(tmp_path / "nope.pt")):
         _trainer(tmp_path, resume=str(tmp_path / "nope.pt"))

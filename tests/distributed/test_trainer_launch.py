@@ -15,7 +15,7 @@ import signal
 import subprocess
 import threading
 
-from tandem.train.checkpoint import list_checkpoints, load_checkpoint
+from tandem.checkpoint.run_dir import list_checkpoints, load_checkpoint
 from tests.launching import clean_env, tandem_run_module
 
 _EPOCH = re.compile(r"^epoch\s+(\d+)\s+loss", re.MULTILINE)

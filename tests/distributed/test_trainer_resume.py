@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from tandem.train.checkpoint import (
+from tandem.checkpoint.run_dir import (
     CheckpointError,
     list_checkpoints,
     load_checkpoint,

@@ -34,8 +34,8 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import tandem
-from tandem.train.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
-from tandem.train.shard_files import SHARDS_DIR
+from tandem.checkpoint.run_dir import CheckpointError, latest_checkpoint, load_checkpoint
+from tandem.checkpoint.shards import SHARDS_DIR
 from tandem.train.trainer import Trainer
 from tests.harness import run_ranks
 

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DistributedSampler, TensorDataset
 
-from tandem.train.checkpoint import list_checkpoints
+from tandem.checkpoint.run_dir import list_checkpoints
 from tandem.train.step_log import TIMING_COLUMNS
 from tandem.train.trainer import Trainer
 from tests.harness import run_ranks

@@ -29,9 +29,9 @@ from pathlib import Path
 
 import pytest
 
+from tandem.checkpoint.checkpointer import report_commit
+from tandem.checkpoint.run_dir import latest_checkpoint, list_checkpoints, load_checkpoint
 from tandem.launch.supervisor import committed_checkpoint
-from tandem.train.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
-from tandem.train.checkpointer import report_commit
 from tests.launching import clean_env
 
 WORKER = str(Path(__file__).with_name("big_model_worker.py"))

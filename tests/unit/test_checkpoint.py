@@ -1,4 +1,4 @@
-"""tandem.train.checkpoint: what is saved comes back exactly, and nothing else can.
+"""tandem.checkpoint.run_dir: what is saved comes back exactly, and nothing else can.
 
 Proves: a real model (with buffers), AdamW after steps, LR schedulers (OneCycleLR,
 SequentialLR), a GradScaler, a sampler state and RNG states round-trip with equal values and
@@ -32,9 +32,9 @@ from typing import Any
 import pytest
 import torch
 
-from tandem.data.sampler import DistributedSampler
-from tandem.train import checkpoint as ck
-from tandem.train.checkpoint import (
+from tandem.checkpoint import run_dir as ck
+from tandem.checkpoint.rng import capture_rng_state
+from tandem.checkpoint.run_dir import (
     FORMAT_VERSION,
     CheckpointError,
     latest_checkpoint,
@@ -42,7 +42,7 @@ from tandem.train.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from tandem.train.rng import capture_rng_state
+from tandem.data.sampler import DistributedSampler
 
 
 def assert_same(a: Any, b: Any, where: str = "state") -> None:
@@ -324,7 +324,7 @@ def test_a_killed_process_leaves_the_previous_checkpoint(tmp_path: Path, die_bef
     save_checkpoint({"v": 1}, tmp_path, epoch=1, step=10)
     script = f"""
         import os, sys
-        from tandem.train.checkpoint import save_checkpoint
+        from tandem.checkpoint.run_dir import save_checkpoint
         real = os.replace
         def replace(src, dst):
             if os.path.basename(dst) == {die_before!r}:

@@ -37,11 +37,11 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 import tandem.checkpoint as ckpt
+from tandem.checkpoint.export import strip_wrapper_prefixes
+from tandem.checkpoint.run_dir import CheckpointError, save_checkpoint
 from tandem.cli import main as cli
 from tandem.data import DistributedSampler
 from tandem.parallel.engine import make_engine
-from tandem.train.checkpoint import CheckpointError, save_checkpoint
-from tandem.train.export import strip_wrapper_prefixes
 
 X = torch.randn(22, 6, generator=torch.Generator().manual_seed(0))
 Y = (X[:, 0] > 0).long() + (X[:, 1] > 0.3).long()

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from tandem.train.checkpoint import list_checkpoints, load_checkpoint
+from tandem.checkpoint.run_dir import list_checkpoints, load_checkpoint
 from tandem.train.loggers import CsvLogger, JsonlLogger, TensorBoardLogger, check_loggers
 from tandem.train.plan import RunPlan
 from tandem.train.trainer import Trainer

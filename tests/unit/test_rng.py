@@ -1,4 +1,4 @@
-"""tandem.train.rng: restoring a captured state repeats every generator's draws exactly.
+"""tandem.checkpoint.rng: restoring a captured state repeats every generator's draws exactly.
 
 Proves: after capture, draws from Python's ``random`` (including ``gauss``'s cached value),
 NumPy's global generator (including its cached Gaussian) and torch's CPU generator, a restore
@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 import torch
 
-from tandem.train.checkpoint import load_checkpoint, save_checkpoint
-from tandem.train.rng import capture_rng_state, restore_rng_state
+from tandem.checkpoint.rng import capture_rng_state, restore_rng_state
+from tandem.checkpoint.run_dir import load_checkpoint, save_checkpoint
 
 
 def draw() -> dict[str, Any]:

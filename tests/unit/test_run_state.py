@@ -19,9 +19,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import TensorDataset
 
+from tandem.checkpoint.rng import capture_rng_state
+from tandem.checkpoint.run_dir import load_checkpoint, save_checkpoint
 from tandem.data.sampler import DistributedSampler
-from tandem.train.checkpoint import load_checkpoint, save_checkpoint
-from tandem.train.rng import capture_rng_state
 from tandem.train.run_state import RunState
 from tandem.train.trainer import Trainer
 

@@ -1,6 +1,6 @@
 """``tandem export``: a checkpoint's plain model weights as one safetensors file.
 
-The work is :func:`tandem.train.export.export_file`'s; this module reads the command line. It
+The work is :func:`tandem.checkpoint.export.export_file`'s; this module reads the command line. It
 imports torch only when the verb runs, so the other verbs start as fast as before.
 
 Example::
@@ -52,8 +52,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """Export, print one line saying what was written; 0, or 2 after printing the error."""
-    from tandem.train.checkpoint import CheckpointError
-    from tandem.train.export import export_file
+    from tandem.checkpoint.export import export_file
+    from tandem.checkpoint.run_dir import CheckpointError
 
     try:
         report = export_file(args.source, args.out, key=args.key)

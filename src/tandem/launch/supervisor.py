@@ -444,7 +444,7 @@ def committed_checkpoint(directory: Path, run_id: str, when: float, event: str) 
     ``when``, a ``time.time()``), and how to resume.
 
     The Trainer's rank 0 notes each commit in ``directory`` (``TANDEM_REPORT_DIR``; see
-    ``tandem.train.checkpointer.report_commit``) as ``tandem-checkpoint-<run_id>.json``: the
+    ``tandem.checkpoint.checkpointer.report_commit``) as ``tandem-checkpoint-<run_id>.json``: the
     launcher's run id, so a report directory shared with other jobs is no confusion.
 
     Example::

@@ -1,9 +1,10 @@
-"""tandem.train: the Trainer and what it needs to resume a run exactly.
+"""tandem.train: the Trainer, and the pieces of its loop.
 
-- ``checkpoint``: atomic, checksummed checkpoints loaded without running pickled code
-  (``save_checkpoint``, ``load_checkpoint``, ``list_checkpoints``, ``latest_checkpoint``).
-- ``rng``: one process's random number generator states, captured and restored
-  (``capture_rng_state``, ``restore_rng_state``).
+The Trainer (:mod:`tandem.train.trainer`) runs the guides' loop: data loaders per rank
+(``loaders``), the step (``step``, ``precision``), what happens between steps (``plan``,
+``requests``, ``evaluation``, ``step_log``, ``loggers``, ``metrics_log``, ``progress``) and the
+run's resumable state (``run_state``). Checkpoints are their own package, :mod:`tandem.checkpoint`,
+which never imports this one.
 
 Import from the submodules; this package imports nothing, so importing one piece does not pull
 in the others.

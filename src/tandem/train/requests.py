@@ -31,7 +31,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from types import FrameType
 
-from tandem.train.collective import start_sum_over_ranks
+from tandem._dist import start_sum_over_ranks
 
 STOP_SIGNAL = signal.SIGTERM
 CHECKPOINT_SIGNAL = signal.SIGUSR1

@@ -42,10 +42,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tandem.checkpoint.rng import capture_rng_state, derived_seed, restore_rng_state, seed_rng
 from tandem.data.lookahead import position_vouched
 from tandem.data.sampler import DistributedSampler
 from tandem.train.requests import Requests
-from tandem.train.rng import capture_rng_state, derived_seed, restore_rng_state, seed_rng
 
 
 class RunState:

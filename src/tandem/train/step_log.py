@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from tandem.train.collective import from_rank0
+from tandem._dist import from_rank0
 from tandem.train.loggers import (
     JSONL_FILE,
     LoggerArg,

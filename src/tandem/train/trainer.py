@@ -19,7 +19,7 @@ The per-batch step (precision, scaler, clipping, any batch structure) is
 :mod:`tandem.train.arguments`. The Trainer talks to the model's engine only through
 :class:`tandem.parallel.engine.Engine` (sync, clip, save, load), keeps where the run stands in one
 :class:`tandem.train.run_state.RunState`, and hands both to the
-:class:`tandem.train.checkpointer.Checkpointer`. A resumed run ends bitwise where the
+:class:`tandem.checkpoint.checkpointer.Checkpointer`. A resumed run ends bitwise where the
 uninterrupted run would: :mod:`tandem.train.run_state` says which pieces that takes and why.
 """
 
@@ -36,13 +36,13 @@ from torch import nn
 from torch.utils.data import Dataset
 
 import tandem
+from tandem.checkpoint.checkpointer import Checkpointer, check_writable
 from tandem.doctor import steps
 from tandem.doctor import trace as tracing
 from tandem.parallel.engine import make_engine
 from tandem.train import arguments
 from tandem.train.arguments import OptimizerArg, SchedulerArg
 from tandem.train.boundaries import Boundaries
-from tandem.train.checkpointer import Checkpointer, check_writable
 from tandem.train.evaluation import lockstep_forwards
 from tandem.train.loaders import make_loaders
 from tandem.train.loggers import LoggerArg, check_loggers

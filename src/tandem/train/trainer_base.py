@@ -18,12 +18,12 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from tandem._dist import wait_for_all
 from tandem._profile import span
+from tandem.checkpoint.checkpointer import Checkpointer
 from tandem.doctor import trace as tracing
 from tandem.parallel.engine import Engine
 from tandem.parallel.fsdp import FullyShardedDataParallel
-from tandem.train.checkpointer import Checkpointer
-from tandem.train.collective import wait_for_all
 from tandem.train.evaluation import evaluate
 from tandem.train.loaders import Loaders
 from tandem.train.metrics_log import Summary, write_metrics

@@ -1,9 +1,9 @@
 """The file of ``tandem.checkpoint.save``: written atomically, read back verified, others named.
 
 One file per checkpoint (rank 0's), with a ``.sha256`` sidecar beside it written last: the
-sidecar commits the file, as it does a Trainer's checkpoint (:mod:`tandem.train.checkpoint`),
+sidecar commits the file, as it does a Trainer's checkpoint (:mod:`tandem.checkpoint.run_dir`),
 and ``sha256sum -c`` reads it. A sharded checkpoint's per-rank files live where the Trainer's
-do (:mod:`tandem.train.shard_files`): ``shards/<stem>/rankNNNNN.pt`` beside the file.
+do (:mod:`tandem.checkpoint.shards`): ``shards/<stem>/rankNNNNN.pt`` beside the file.
 
 Reading verifies the checksum before unpickling anything, and unpickles with
 ``weights_only=True``; a file that is not a tandem checkpoint at all (a ``torch.save`` of a
@@ -19,25 +19,21 @@ Example::
 from __future__ import annotations
 
 import json
-import pickle
 import re
 import struct
 import zipfile
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from tandem.train.checkpoint import (
+from tandem.checkpoint.run_dir import (
     FORMAT_VERSION,
     CheckpointError,
-    first_line,
     list_checkpoints,
+    read_sealed,
     sidecar_of,
-    verify_checksum,
     write_committed,
 )
-from tandem.train.shard_files import SHARDS_DIR
+from tandem.checkpoint.shards import SHARDS_DIR
 
 #: The ``format`` of a file written by ``tandem.checkpoint.save``; the number is its version.
 API_FORMAT = "tandem.checkpoint/1"
@@ -49,7 +45,7 @@ _RANK_FILE = re.compile(r"rank(\d{5})\.pt")
 def write_checkpoint_file(payload: dict[str, Any], path: Path) -> str:
     """Write ``payload`` to ``path`` and commit it with its sidecar; the file's sha256.
 
-    The Trainer's steps 1 and 2 (:func:`tandem.train.checkpoint.write_committed`): the file,
+    The Trainer's steps 1 and 2 (:func:`tandem.checkpoint.run_dir.write_committed`): the file,
     then its sidecar, each atomic. Saving over an existing checkpoint uncommits it first, so a
     crash in between leaves a file that refuses to load ("its save did not finish"), never old
     checksum and new bytes, nor a half-written file.
@@ -91,16 +87,7 @@ def read_verified(path: Path) -> dict[str, Any]:
             "without one is not a checkpoint, or its save did not finish, or it was copied "
             "without the sidecar)"
         )
-    verify_checksum(path)
-    try:
-        payload = torch.load(path, weights_only=True, map_location="cpu")
-    except pickle.UnpicklingError as e:
-        raise CheckpointError(
-            f"checkpoint {path} holds objects other than tensors and plain data; refused to "
-            f"unpickle them, since that could run code ({first_line(e)})"
-        ) from e
-    except Exception as e:
-        raise CheckpointError(f"checkpoint {path} cannot be read: {e}") from e
+    payload = read_sealed(path)
     if not isinstance(payload, dict):
         raise CheckpointError(
             f"{path} is a torch.save file of a {type(payload).__name__}, not a tandem checkpoint"

@@ -1,7 +1,7 @@
 """The run's checkpointer: an engine and a dict of stateful objects, saved and loaded together.
 
 It knows nothing of the Trainer. A checkpoint (written by
-:func:`tandem.train.checkpoint.save_checkpoint`, rank 0 only) holds::
+:func:`tandem.checkpoint.run_dir.save_checkpoint`, rank 0 only) holds::
 
     model        the engine's model: the unwrapped module's state_dict (gathered when sharded)
     optimizer    the engine's optimizer state (a plain optimizer's, gathered when sharded)
@@ -10,8 +10,8 @@ It knows nothing of the Trainer. A checkpoint (written by
     <name>       for every stateful object: its state_dict(), or None for an object not given;
                  with "ranks": every rank's rank_state_dict(), in rank order, if it has one
 
-The work on the objects is ``tandem.checkpoint``'s (:mod:`tandem.train.checkpoint_steps` over
-the entries of :mod:`tandem.train.checkpoint_objects`): the engine is one entry (its ``model``,
+The work on the objects is ``tandem.checkpoint``'s (:mod:`tandem.checkpoint.phases` over
+the entries of :mod:`tandem.checkpoint.entries`): the engine is one entry (its ``model``,
 ``optimizer`` and ``engine`` parts at the top of the layout above), each object a stateful
 entry; gathering, the shard files, the checks made before anything loads, resharding and the
 per-rank states are done once for both. What is the checkpointer's own: this layout (the same
@@ -20,7 +20,7 @@ per-rank states are done once for both. What is the checkpointer's own: this lay
 
 A checkpoint resumes at another world size: the model and optimizer of the full format load at
 any world size as they are; in the sharded format each rank reads the saved shards that overlap
-its own and cuts them anew (:func:`tandem.train.shard_files.reshard`), which needs those files
+its own and cuts them anew (:func:`tandem.checkpoint.shards.reshard`), which needs those files
 visible to it (a shared file system); per-rank states go to the object's
 ``load_rank_state_dicts(states, rank)``, which maps them (RunState: see its module doc).
 
@@ -52,10 +52,11 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from tandem import _dist
+from tandem._dist import from_rank0
 from tandem._profile import span
-from tandem.files import write_atomic
-from tandem.parallel.engine import Engine, Kind
-from tandem.train.checkpoint import (
+from tandem.checkpoint.entries import EngineEntry, Entry, StatefulEntry
+from tandem.checkpoint.phases import ShardFiles, check, load_into, save_entries, settle
+from tandem.checkpoint.run_dir import (
     CHECKPOINTS_DIR,
     CheckpointError,
     checkpoint_name,
@@ -64,10 +65,9 @@ from tandem.train.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from tandem.train.checkpoint_objects import EngineEntry, Entry, StatefulEntry
-from tandem.train.checkpoint_steps import ShardFiles, check, load_into, save_entries, settle
-from tandem.train.collective import from_rank0
-from tandem.train.shard_files import prune_shards
+from tandem.checkpoint.shards import prune_shards
+from tandem.files import write_atomic
+from tandem.parallel.engine import Engine, Kind
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ guarantees:
   size, and into the unwrapped model; ``kind="sharded"`` gathers nothing: each rank writes its
   own shards. Both load at another world size: there each rank cuts its FSDP shards and its
   ShardedOptimizer or FSDP optimizer state anew from the saved ranks' shard files that overlap
-  its share (the Trainer's resharding: :mod:`tandem.train.shard_files`), which must then be
+  its share (the Trainer's resharding: :mod:`tandem.checkpoint.shards`), which must then be
   visible to every process (a shared file system).
 
 At another world size the rest of an epoch continues where the saved ranks stood: a
@@ -37,7 +37,7 @@ weights as one safetensors file, from a Trainer run or checkpoint, a :func:`save
 live model.
 
 What a Trainer checkpoint holds (``runs/x/checkpoints/ckpt-eEEEE-sSSSSSSSS.pt``, read with
-``tandem.train.checkpoint.load_checkpoint``)::
+``tandem.checkpoint.run_dir.load_checkpoint``)::
 
     {"format_version": 1, "epoch": E, "step": S, "state": {
         "model":     the plain module's state_dict() (no wrapper prefixes; FSDP's gathered);
@@ -98,12 +98,11 @@ from typing import Any
 from torch import nn
 
 from tandem import _dist
-from tandem.parallel.engine import Engine, Kind
-from tandem.parallel.fsdp import FullyShardedDataParallel
-from tandem.train.checkpoint import CheckpointError
-from tandem.train.checkpoint_files import API_FORMAT, write_checkpoint_file
-from tandem.train.checkpoint_objects import unwrap
-from tandem.train.checkpoint_steps import (
+from tandem._dist import from_rank0
+from tandem.checkpoint.entries import unwrap
+from tandem.checkpoint.export import export_file as _export_file
+from tandem.checkpoint.export import strip_wrapper_prefixes, write_safetensors
+from tandem.checkpoint.phases import (
     ERRORS,
     ShardFiles,
     agree,
@@ -116,16 +115,17 @@ from tandem.train.checkpoint_steps import (
     settle,
     tidy_shards,
 )
-from tandem.train.collective import from_rank0
-from tandem.train.export import export_file as _export_file
-from tandem.train.export import strip_wrapper_prefixes, write_safetensors
-from tandem.train.rng import (
+from tandem.checkpoint.rng import (
     capture_rng_state,
     derived_seed,
     restore_rng_state,
     seed_rng,
     states_digest,
 )
+from tandem.checkpoint.run_dir import CheckpointError
+from tandem.checkpoint.sealed import API_FORMAT, write_checkpoint_file
+from tandem.parallel.engine import Engine, Kind
+from tandem.parallel.fsdp import FullyShardedDataParallel
 
 __all__ = ["KINDS", "RNG", "CheckpointError", "Kind", "export_weights", "load", "save"]
 

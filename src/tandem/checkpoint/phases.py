@@ -1,9 +1,9 @@
 """The steps of a checkpoint save and load that every rank runs alike, for both checkpointers.
 
 ``tandem.checkpoint.save`` / ``load`` and the Trainer's
-:class:`~tandem.train.checkpointer.Checkpointer` differ only in their main file (its layout,
+:class:`~tandem.checkpoint.checkpointer.Checkpointer` differ only in their main file (its layout,
 its name, the run directory's ``latest`` and retention); the work on the objects is these steps,
-over the entries of :mod:`tandem.train.checkpoint_objects`:
+over the entries of :mod:`tandem.checkpoint.entries`:
 
 - saving: :func:`save_entries`: every entry's state (FSDP and ShardedOptimizer gather here),
   each rank's shard file written, every rank's per-rank state and shard digest gathered;
@@ -35,14 +35,14 @@ from pathlib import Path
 from typing import Any
 
 from tandem import _dist
+from tandem._dist import gather_objects
 from tandem._profile import span
+from tandem.checkpoint.entries import Entry, StatefulEntry, ValueEntry, classify
+from tandem.checkpoint.fit import listed
+from tandem.checkpoint.run_dir import CheckpointError
+from tandem.checkpoint.sealed import payload_kind, read_verified
+from tandem.checkpoint.shards import cached_reader, read_shard, shard_path, write_shard
 from tandem.parallel.engine import Kind
-from tandem.train.checkpoint import CheckpointError
-from tandem.train.checkpoint_checks import listed
-from tandem.train.checkpoint_files import payload_kind, read_verified
-from tandem.train.checkpoint_objects import Entry, StatefulEntry, ValueEntry, classify
-from tandem.train.collective import gather_objects
-from tandem.train.shard_files import cached_reader, read_shard, shard_path, write_shard
 
 log = logging.getLogger(__name__)
 

@@ -45,13 +45,13 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from tandem.checkpoint.fit import check_model, check_optimizer
+from tandem.checkpoint.shards import reshard, reshard_model, reshard_optimizer
 from tandem.parallel.ddp import DistributedDataParallel
 from tandem.parallel.dp import DataParallel
 from tandem.parallel.engine import Engine, Kind, ShardedEngine
 from tandem.parallel.fsdp import FullyShardedDataParallel
 from tandem.parallel.zero import ShardedOptimizer
-from tandem.train.checkpoint_checks import check_model, check_optimizer
-from tandem.train.shard_files import reshard, reshard_model, reshard_optimizer
 
 FSDP = FullyShardedDataParallel
 _PLAIN_SCALARS = (type(None), bool, int, float, complex, str, bytes, torch.Tensor)

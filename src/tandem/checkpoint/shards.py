@@ -1,6 +1,6 @@
 """One file per rank for sharded checkpoints, committed by rank 0's checkpoint file.
 
-Layout beside the checkpoints of :mod:`tandem.train.checkpoint`::
+Layout beside the checkpoints of :mod:`tandem.checkpoint.run_dir`::
 
     checkpoints/ckpt-e0003-s00001200.pt                 rank 0's file: records every shard's sha256
     checkpoints/shards/ckpt-e0003-s00001200/rank00001.pt   rank 1's shards
@@ -31,12 +31,12 @@ from typing import Any
 
 import torch
 
+from tandem.checkpoint.run_dir import CheckpointError
 from tandem.files import file_digest, fsync_dir, rename_into_place, unlink_quietly, write_temp
 from tandem.parallel import fsdp_reshard
 from tandem.parallel.engine import Engine, ShardedEngine
 from tandem.parallel.fsdp_layout import FsdpLayout
 from tandem.parallel.zero import ShardedOptimizer
-from tandem.train.checkpoint import CheckpointError
 
 SHARDS_DIR = "shards"
 

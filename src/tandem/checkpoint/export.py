@@ -37,12 +37,12 @@ from typing import Any
 import torch
 
 from tandem._optional import require
+from tandem.checkpoint.run_dir import LATEST, CheckpointError, latest_checkpoint
+from tandem.checkpoint.sealed import payload_kind, read_verified
+from tandem.checkpoint.shards import read_shard
 from tandem.files import write_atomic
 from tandem.parallel.fsdp_state import SHARDED_FORMAT
 from tandem.parallel.sharding import flat_shard, padded_numel
-from tandem.train.checkpoint import LATEST, CheckpointError, latest_checkpoint
-from tandem.train.checkpoint_files import payload_kind, read_verified
-from tandem.train.shard_files import read_shard
 
 _WRAPPER_SEGMENTS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
 _MODEL_TYPES = ("model", "engine")
