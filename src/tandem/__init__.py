@@ -13,27 +13,27 @@ from tandem.world import World, init, shutdown, world
 
 if TYPE_CHECKING:
     from tandem.launch.spawn import spawn
-    from tandem.parallel.comm_hooks import GradBucket
-    from tandem.parallel.ddp import DistributedDataParallel, drop_zero_grads
+    from tandem.parallel.ddp.comm_hooks import GradBucket
+    from tandem.parallel.ddp.join import join
+    from tandem.parallel.ddp.wrapper import DistributedDataParallel, drop_zero_grads
     from tandem.parallel.dp import DataParallel
     from tandem.parallel.fsdp import FullyShardedDataParallel, MixedPrecisionPolicy
-    from tandem.parallel.join import join
     from tandem.parallel.zero import ShardedOptimizer
     from tandem.train.trainer import Trainer
 
     DDP = DistributedDataParallel
 
 _LAZY = {
-    "DDP": ("tandem.parallel.ddp", "DistributedDataParallel"),
+    "DDP": ("tandem.parallel.ddp.wrapper", "DistributedDataParallel"),
     "DataParallel": ("tandem.parallel.dp", "DataParallel"),
-    "DistributedDataParallel": ("tandem.parallel.ddp", "DistributedDataParallel"),
+    "DistributedDataParallel": ("tandem.parallel.ddp.wrapper", "DistributedDataParallel"),
     "FullyShardedDataParallel": ("tandem.parallel.fsdp", "FullyShardedDataParallel"),
-    "GradBucket": ("tandem.parallel.comm_hooks", "GradBucket"),
+    "GradBucket": ("tandem.parallel.ddp.comm_hooks", "GradBucket"),
     "MixedPrecisionPolicy": ("tandem.parallel.fsdp", "MixedPrecisionPolicy"),
     "ShardedOptimizer": ("tandem.parallel.zero", "ShardedOptimizer"),
     "Trainer": ("tandem.train.trainer", "Trainer"),
-    "drop_zero_grads": ("tandem.parallel.ddp", "drop_zero_grads"),
-    "join": ("tandem.parallel.join", "join"),
+    "drop_zero_grads": ("tandem.parallel.ddp.wrapper", "drop_zero_grads"),
+    "join": ("tandem.parallel.ddp.join", "join"),
     "spawn": ("tandem.launch.spawn", "spawn"),
 }
 

@@ -23,7 +23,7 @@ sum, so any difference is the engine's.
 3. A parameter that gets no gradient, without find_unused_parameters: UnusedParametersError on
    every rank, naming each rank's parameters and the flag, also when only one rank missed it
    (where torch's DDP hangs). On a GPU the count is read without making the CPU wait for the
-   GPU, so the error comes at the next forward (``parallel/agreement.py``); on the CPU (the
+   GPU, so the error comes at the next forward (``end_of_backward.py``); on the CPU (the
    rehearsal) in the backward itself. Never a hang: the harness timeout fails one.
 4. World size 1 over NCCL (a real GPU): the same parity, inputs moved by ``device_ids``.
 5. Peak GPU memory (a real GPU): tandem.DDP's ``torch.cuda.max_memory_allocated()`` over a
@@ -48,8 +48,8 @@ from torch.utils.checkpoint import checkpoint
 
 import tandem
 from tandem.doctor import records
-from tandem.parallel.agreement import UnusedParametersError
-from tandem.parallel.comm_hooks import bf16_compress_hook, fp16_compress_hook
+from tandem.parallel.ddp.comm_hooks import bf16_compress_hook, fp16_compress_hook
+from tandem.parallel.ddp.end_of_backward import UnusedParametersError
 from tests.cuda import gpu
 from tests.distributed import models
 from tests.harness import run_ranks
@@ -384,7 +384,7 @@ def test_missing_gradient_without_flag_raises_on_every_rank():
     for rank, by_case in enumerate(results):
         for only_rank0, r in by_case.items():
             what = f"rank {rank}, only rank 0 missed: {only_rank0}"
-            # On a GPU the count is read at the next forward (agreement.py), on the CPU at once.
+            # On a GPU the count is read at the next forward, on the CPU at once.
             expected = "next forward" if r["device"] == "cuda" else "backward"
             assert r["where"] == expected, (what, r)
             message = r["message"]

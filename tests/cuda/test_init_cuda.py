@@ -15,7 +15,7 @@ Proves:
   numbered from 1 without gaps, a subgroup on its own; every record ended once the GPU has
   finished (an asynchronous one once its work is done); none waited for in slices (that is
   Gloo's). With two GPUs also tandem.DDP's bucket all-reduces, its end-of-backward check as a
-  collective of its own (int32, the GPU path of ``tandem.parallel.agreement``), and every
+  collective of its own (int32, the GPU path of ``tandem.parallel.ddp.end_of_backward``), and every
   rank's sequence the same;
 - a collective that ends a second after it was issued (the GPU kept busy by
   ``torch.cuda._sleep`` before it) is waited for whole, and gives its sum, by ``records.wait``
@@ -47,7 +47,7 @@ from torch import nn
 
 import tandem
 from tandem.doctor import hang, records
-from tandem.parallel import lockstep
+from tandem.parallel.ddp import out_of_step as lockstep
 from tandem.world import World
 from tests.cuda import gpu
 from tests.harness import run_ranks

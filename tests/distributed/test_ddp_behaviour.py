@@ -31,8 +31,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import tandem
-from tandem.parallel.agreement import UnusedParametersError
-from tandem.parallel.comm_hooks import allreduce_hook
+from tandem.parallel.ddp.comm_hooks import allreduce_hook
+from tandem.parallel.ddp.end_of_backward import UnusedParametersError
 from tandem.parallel.replicas import broadcast_coalesced
 from tests.distributed import models
 from tests.harness import run_ranks

@@ -43,7 +43,7 @@ from torch.distributed.algorithms.model_averaging.averagers import PeriodicModel
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import tandem
-from tandem.parallel import comm_hooks
+from tandem.parallel.ddp import comm_hooks
 from tests.distributed import models
 from tests.harness import run_ranks
 

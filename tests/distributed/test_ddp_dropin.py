@@ -41,7 +41,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import tandem
-from tandem.parallel.buckets import assign_buckets
+from tandem.parallel.ddp.buckets import assign_buckets
 from tests.harness import run_ranks
 
 ENGINES = {"tandem": tandem.DDP, "torch": TorchDDP}

@@ -27,7 +27,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import tandem
 from tandem.doctor import records
-from tandem.parallel.agreement import UnusedParametersError
+from tandem.parallel.ddp.end_of_backward import UnusedParametersError
 from tests.distributed import models
 from tests.harness import run_ranks
 
@@ -149,7 +149,7 @@ def _request_at_world_3() -> dict:
     ours = tandem.DDP(models.wide(seed=rank, dtype=torch.float32))
     theirs = TorchDDP(models.wide(seed=rank, dtype=torch.float32))
     rider = _Rider(rank)
-    ours.reducer.agreement.rider = rider
+    ours.reducer.end_of_backward.rider = rider
     before = len(records.recent())
     opts = [models.make_optimizer("sgd", m.parameters()) for m in (ours, theirs)]
     for step in range(4):

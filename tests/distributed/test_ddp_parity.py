@@ -24,7 +24,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import tandem
-from tandem.parallel.comm_hooks import bf16_compress_hook
+from tandem.parallel.ddp.comm_hooks import bf16_compress_hook
 from tests.distributed import models
 from tests.harness import run_ranks
 

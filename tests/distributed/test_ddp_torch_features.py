@@ -50,7 +50,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from torch.utils.checkpoint import checkpoint
 
 import tandem
-from tandem.parallel.reducer import Reducer
+from tandem.parallel.ddp.reducer import Reducer
 from tests.distributed import models
 from tests.harness import run_ranks
 

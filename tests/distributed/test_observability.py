@@ -4,7 +4,7 @@
   ``tandem.ddp.bucket_wait`` per bucket (with the bucket named), on every rank.
 - With no profiler running the ranges cost nothing: none is recorded, and the guard is the
   cheap check, not torch's ``record_function`` (tens of microseconds each).
-- The bucket rebuild is logged at debug level on ``tandem.parallel.reducer``.
+- The bucket rebuild is logged at debug level on ``tandem.parallel.ddp.reducer``.
 - A ShardedOptimizer step shows ``tandem.zero.step`` then ``tandem.zero.broadcast``.
 """
 
@@ -32,7 +32,7 @@ def _profiled_step() -> dict:
     records: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
-    logger = logging.getLogger("tandem.parallel.reducer")
+    logger = logging.getLogger("tandem.parallel.ddp.reducer")
     logger.addHandler(handler)
     logger.setLevel(logging.DEBUG)
     F.cross_entropy(model(x), y).backward()  # learns the order; the rebuild comes next forward

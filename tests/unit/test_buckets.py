@@ -23,7 +23,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tandem.parallel.buckets import assign_buckets, build_buckets
+from tandem.parallel.ddp.buckets import assign_buckets, build_buckets
 
 KEYS = ("f32", "f16", "bf16")
 

@@ -47,7 +47,7 @@ from torch import nn
 
 from tandem.checkpoint.fit import check_model, check_optimizer
 from tandem.checkpoint.shards import reshard, reshard_model, reshard_optimizer
-from tandem.parallel.ddp import DistributedDataParallel
+from tandem.parallel.ddp.wrapper import DistributedDataParallel
 from tandem.parallel.dp import DataParallel
 from tandem.parallel.engine import Engine, Kind, ShardedEngine
 from tandem.parallel.fsdp import FullyShardedDataParallel

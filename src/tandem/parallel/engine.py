@@ -37,8 +37,8 @@ import torch
 from torch import nn
 
 from tandem._dist import group_rank, group_size
-from tandem.parallel.agreement import Rider
-from tandem.parallel.ddp import DistributedDataParallel
+from tandem.parallel.ddp.end_of_backward import Rider
+from tandem.parallel.ddp.wrapper import DistributedDataParallel
 from tandem.parallel.dp import DataParallel
 from tandem.parallel.fsdp import FullyShardedDataParallel
 from tandem.parallel.grad_norm import clip_sharded_grad_norm_
@@ -108,7 +108,7 @@ class Engine(ABC):
         """Let ``rider``'s counts travel in a collective the engine issues every step anyway.
 
         True if the engine does (tandem.DDP: its end-of-backward check, see
-        ``tandem.parallel.agreement``); False: the caller sends them itself.
+        ``tandem.parallel.ddp.end_of_backward``); False: the caller sends them itself.
         """
         return False
 
@@ -145,7 +145,7 @@ class ReplicatedEngine(Engine):
     def carry(self, rider: Rider) -> bool:
         if self._reducer is None:
             return False
-        self._reducer.agreement.rider = rider
+        self._reducer.end_of_backward.rider = rider
         return True
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:

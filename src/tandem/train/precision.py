@@ -58,7 +58,7 @@ import torch
 from torch import nn
 
 from tandem._tree import to_device
-from tandem.parallel.ddp import DistributedDataParallel
+from tandem.parallel.ddp.wrapper import DistributedDataParallel
 from tandem.parallel.engine import check_scaler
 from tandem.parallel.fsdp import FullyShardedDataParallel
 from tandem.parallel.fsdp_precision import MixedPrecisionPolicy

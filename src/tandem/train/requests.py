@@ -9,8 +9,8 @@ all-reduce, and every rank then sees the same sums and takes the same action at 
 The all-reduce is waited for at once at the log steps and the epoch's end, which need the sums
 now (:meth:`Requests.agree`). Between them the requests cost no wait: with tandem.DDP they ride
 in the engine's own end-of-backward check (this object is its
-:class:`tandem.parallel.agreement.Rider`; on the CPU that check is a mark in the last bucket,
-and a collective is spent only at a step where some rank has a request); with the other
+:class:`tandem.parallel.ddp.end_of_backward.Rider`; on the CPU that check is a mark in the last
+bucket, and a collective is spent only at a step where some rank has a request); with the other
 engines they are sent in the background at a step boundary (:meth:`Requests.send`). Either
 way the result is acted on at the next step boundary (:meth:`Requests.collect`), whichever
 engine runs: a request made during step k (before its backward) is acted on after step k + 1,
@@ -148,7 +148,7 @@ class Requests:
         """Forget what was sent or delivered (a run that ended with an error)."""
         self._pending = self._delivered = self._ready = None
 
-    # -- as the engine's rider (tandem.parallel.agreement.Rider) ------------------------------
+    # -- as the engine's rider (tandem.parallel.ddp.end_of_backward.Rider) -------------------
 
     def values(self) -> list[int]:
         """The requests since the last send, taken off: they are on their way to every rank

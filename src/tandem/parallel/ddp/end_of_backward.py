@@ -8,7 +8,7 @@ travels depends on the device:
 
 - On the CPU (Gloo) a collective of its own costs more than the check is worth (about 0.7 ms
   of CPU per step in thread hand-offs, measured on a 2-core machine). The check rides in the
-  last bucket instead (:meth:`Agreement.mark`): a rank with something to say puts NaN in that
+  last bucket instead (:meth:`EndOfBackward.mark`): a rank with something to say puts NaN in that
   bucket's first element before its all-reduce, and since NaN plus anything is NaN, every rank
   reads NaN there after the sum. Only then do the ranks sum their counts, in a collective of
   its own, and sum that first element again from each rank's own value (:meth:`settle`): the
@@ -26,12 +26,12 @@ at launch (or at the mark) and their sums delivered once read (on a GPU, at the 
 
 Example::
 
-    agreement = Agreement(names, group, device, wait=reducer.wait)
-    agreement.launch(missing=0, used=None)      # after the last bucket
-    agreement.read(missing=[], want_used=False)  # at the end of backward
+    end_of_backward = EndOfBackward(names, group, device, wait=reducer.wait)
+    end_of_backward.launch(missing=0, used=None)      # after the last bucket
+    end_of_backward.read(missing=[], want_used=False)  # at the end of backward
 
-    agreement.mark(last.flat, missing=0)         # on the CPU: before the last bucket's sum
-    agreement.settle(last.flat, missing=[])      # and once it is done
+    end_of_backward.mark(last.flat, missing=0)         # on the CPU: before the last bucket's sum
+    end_of_backward.settle(last.flat, missing=[])      # and once it is done
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ class UnusedParametersError(RuntimeError):
     """Some rank finished backward without a gradient for some parameters."""
 
 
-class Agreement:
+class EndOfBackward:
     """The end-of-backward check of one DDP model (see the module docstring)."""
 
     def __init__(

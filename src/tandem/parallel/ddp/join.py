@@ -32,17 +32,11 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import torch
-import torch.distributed as dist
-from torch.distributed.algorithms.join import Join, Joinable, JoinHook
+from torch.distributed.algorithms.join import Join, Joinable
 
-from tandem._dist import group_rank
 from tandem.doctor import records
-
-if TYPE_CHECKING:
-    from tandem.parallel.ddp import DistributedDataParallel
 
 
 def join(
@@ -78,42 +72,6 @@ def join(
         throw_on_early_termination=throw_on_early_termination,
         divide_by_initial_world_size=divide_by_initial_world_size,
     )
-
-
-class DDPJoinHook(JoinHook):
-    """What a tandem.DDP rank does each iteration after it ran out (see the module docstring)."""
-
-    def __init__(self, ddp: DistributedDataParallel, divide_by_initial_world_size: bool) -> None:
-        self.ddp = ddp
-        ddp.divide_by_initial_world_size = divide_by_initial_world_size
-
-    def main_hook(self) -> None:
-        """Shadow one forward and backward of the ranks still training."""
-        ddp = self.ddp
-        ddp.reducer.rebuild()
-        ddp.sync_buffers(training=False)
-        if not ddp.announce_sync(joined=True):
-            return  # the others are under no_sync: no gradient collectives this iteration
-        ddp.reducer.shadow_backward()
-
-    def post_hook(self, is_last_joiner: bool) -> None:
-        """Every rank takes the model of the last rank to join (its buffers too, unless
-        ``forward_sync_buffers=False``: rank-local buffers stay the rank's, as in torch)."""
-        ddp = self.ddp
-        src = common_rank(ddp, is_last_joiner)
-        ddp.sync_params_and_buffers(src=src, buffers=ddp.forward_sync_buffers)
-        ddp.divide_by_initial_world_size = True
-        ddp.reducer.divisor = ddp.reducer.world_size
-
-
-def common_rank(ddp: DistributedDataParallel, candidate: bool) -> int:
-    """The highest group rank among the ranks passing ``candidate=True`` (one all-reduce)."""
-    rank = group_rank(ddp.process_group)
-    t = torch.tensor([rank if candidate else -1], device=ddp.join_device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ddp.process_group)
-    chosen = int(t.item())
-    assert chosen >= 0, "no rank was a candidate"
-    return chosen
 
 
 def training_ranks(work: Any) -> int:

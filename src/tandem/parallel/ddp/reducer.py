@@ -18,7 +18,7 @@ One iteration, as the reducer sees it:
 4. ``_finalize()`` (runs once backward is done): launch what is left (zeros for gradients this
    rank never got), wait for every bucket, give the means to ``.grad``, and agree across ranks
    on how many gradients each rank missed (and, with find_unused_parameters, on which were used
-   anywhere): see :mod:`tandem.parallel.agreement` (on the CPU the check rides in the last
+   anywhere): see :mod:`tandem.parallel.ddp.end_of_backward` (on the CPU the check rides in the last
    bucket and costs no collective unless some rank has something to say). With
    find_unused_parameters no gradient counts as missed: a parameter behind an output the loss
    left out is unused, as in torch (whose ``_DDPSink`` gives such outputs an undefined
@@ -33,7 +33,7 @@ in one call per bucket. Under a communication hook, and with gradient_as_bucket_
 buffers stay the bucket's.
 
 Buckets follow torch's rules (one bucket at first, rebuilt once in the order gradients became
-ready, saved in the state): :mod:`tandem.parallel.reducer_layout`. ``static_graph`` follows
+ready, saved in the state): :mod:`tandem.parallel.ddp.reducer_layout`. ``static_graph`` follows
 torch's meaning: the first backward counts how many times each parameter's hook fires and
 reduces everything at its end; later backwards launch a parameter's bucket after its last
 expected gradient.
@@ -55,11 +55,11 @@ from tandem import _tree
 from tandem._dist import group_size
 from tandem._profile import span
 from tandem.doctor import records
-from tandem.parallel import lockstep
-from tandem.parallel.agreement import Agreement
-from tandem.parallel.buckets import Bucket
-from tandem.parallel.comm_hooks import CommHook, GradBucket, completed, issues_one_collective
-from tandem.parallel.reducer_layout import ReducerLayout, bucket_caps
+from tandem.parallel.ddp import out_of_step
+from tandem.parallel.ddp.buckets import Bucket
+from tandem.parallel.ddp.comm_hooks import CommHook, GradBucket, completed, issues_one_collective
+from tandem.parallel.ddp.end_of_backward import EndOfBackward
+from tandem.parallel.ddp.reducer_layout import ReducerLayout, bucket_caps
 
 # A gradient of at least this many elements is copied into its bucket as soon as it is ready,
 # the division fused (one pass, while the gradient is still in cache: the copy is memory-bound),
@@ -124,7 +124,7 @@ class Reducer(ReducerLayout):
         self.hook_state: Any = None
         # Training steps started, and a wait on every collective that names a rank that can
         # never join the current step (one that ran out of data), instead of a 30-minute hang.
-        self.progress = lockstep.track(group)
+        self.progress = out_of_step.track(group)
         # What the sum is divided by: the world size, or inside tandem.join with
         # divide_by_initial_world_size=False the ranks still training. Divided while copying in
         # (times the reciprocal): one pass over memory, and torch's exact bits.
@@ -164,7 +164,7 @@ class Reducer(ReducerLayout):
         self.fires = [0] * len(self.params)
         self.static_used: list[bool] | None = None
         device = self.params[0].device if self.params else torch.device("cpu")
-        self.agreement = Agreement(self.names, group, device, self.wait)
+        self.end_of_backward = EndOfBackward(self.names, group, device, self.wait)
         self.on_cpu = device.type == "cpu"
         self.check_in_bucket = False  # this backward's check rides in the last bucket
         self.replaced: list[torch.Tensor] = []  # gradients a bucket's view replaced
@@ -295,10 +295,10 @@ class Reducer(ReducerLayout):
             and self.hook is None
             and self.world_size > 1
             and not self.check_in_bucket
-            and not self.agreement.launched
+            and not self.end_of_backward.launched
         ):
             # Every gradient is in (none missed), and no hook will issue more collectives.
-            self.agreement.launch(0, self.used if self.find_unused else None)
+            self.end_of_backward.launch(0, self.used if self.find_unused else None)
 
     def _copy_in(self, i: int) -> None:
         """Put parameter ``i``'s gradient, times ``fill_scale``, into its bucket slot."""
@@ -382,7 +382,7 @@ class Reducer(ReducerLayout):
         if self.world_size == 1:
             return completed(bucket.flat)
         if self.check_in_bucket and bucket is self.buckets[-1]:
-            self.agreement.mark(bucket.flat, self.marked.count(False))
+            self.end_of_backward.mark(bucket.flat, self.marked.count(False))
         # The default path keeps the Work, not work.get_future(): waiting on the future costs
         # measurably more CPU per bucket with Gloo (benchmarks/ddp_throughput.py).
         return dist.all_reduce(bucket.flat, group=self.group, async_op=True)
@@ -423,7 +423,7 @@ class Reducer(ReducerLayout):
                 if result is not bucket.flat:
                     bucket.flat.copy_(result)
                 if self.check_in_bucket and k == len(self.buckets) - 1:
-                    self.agreement.settle(bucket.flat, missing)  # raises if any rank missed
+                    self.end_of_backward.settle(bucket.flat, missing)  # raises if any rank missed
             # Write each bucket's means back as soon as that bucket is done: the copies then
             # run while the later buckets are still on the wire.
             if write_back_now:
@@ -435,9 +435,9 @@ class Reducer(ReducerLayout):
         self.backwards += 1
         used = None
         if not self.check_in_bucket:
-            if not self.agreement.launched:
-                self.agreement.launch(len(missing), self.used if agree_used else None)
-            used = self.agreement.read(missing, agree_used)
+            if not self.end_of_backward.launched:
+                self.end_of_backward.launch(len(missing), self.used if agree_used else None)
+            used = self.end_of_backward.read(missing, agree_used)
         if first_static:
             self.static_used = used
         elif self.static_used is not None:
@@ -472,7 +472,7 @@ class Reducer(ReducerLayout):
         return self.find_unused or (self.static_graph and self.backwards == 0)
 
     def _checks_in_bucket(self) -> bool:
-        # See tandem.parallel.agreement: on the CPU, unless the used map must travel.
+        # See tandem.parallel.ddp.end_of_backward: on the CPU, unless the used map must travel.
         return (
             self.on_cpu
             and self.world_size > 1
@@ -496,7 +496,7 @@ class Reducer(ReducerLayout):
 
     def wait(self, work: dist.Work, what: str) -> None:
         """Wait for one of this model's collectives (see ``lockstep``)."""
-        lockstep.wait(work, self.progress, what)
+        out_of_step.wait(work, self.progress, what)
 
     def shadow_backward(self) -> None:
         """On a rank that ran out of inputs (join): this backward's collectives, with zeros.
@@ -513,7 +513,7 @@ class Reducer(ReducerLayout):
             zeros = torch.zeros_like(bucket.flat)
             if self.hook is None:
                 if in_bucket and bucket is self.buckets[-1]:
-                    self.agreement.mark(zeros, 0)
+                    self.end_of_backward.mark(zeros, 0)
                 futures.append(dist.all_reduce(zeros, group=self.group, async_op=True))
                 continue
             if futures and self.serial:
@@ -528,7 +528,7 @@ class Reducer(ReducerLayout):
         for fut in futures:
             fut.wait()
         if in_bucket:
-            self.agreement.settle(zeros, [])
+            self.end_of_backward.settle(zeros, [])
         if self._recording():
             # The training ranks rebuild their buckets at their next forward; so must this one,
             # to answer that broadcast (rank 0's order wins; this one's is a placeholder).
@@ -536,8 +536,8 @@ class Reducer(ReducerLayout):
         self.backwards += 1
         self.used = [False] * len(self.params)
         if not in_bucket:
-            self.agreement.launch(0, self.used if agree_used else None)
-            self.agreement.read([], agree_used)
+            self.end_of_backward.launch(0, self.used if agree_used else None)
+            self.end_of_backward.read([], agree_used)
 
     def start_step(self) -> None:
         """At a training forward: free the gradients the means replaced, and raise the
@@ -549,7 +549,7 @@ class Reducer(ReducerLayout):
         times the page faults of torch's DDP in a backward with 400 gradients of 256 KiB).
         """
         self.replaced.clear()
-        self.agreement.check_previous_step()
+        self.end_of_backward.check_previous_step()
 
 
 def _reachable_params(outputs: list[torch.Tensor]) -> tuple[set[int], bool]:

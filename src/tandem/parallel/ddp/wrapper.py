@@ -26,14 +26,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
-from tandem._dist import group_size, require_process_group
+from tandem._dist import group_rank, group_size, require_process_group
 from tandem._profile import backward_span, span
 from tandem._tree import map_tensors
 from tandem.doctor import records, steps
-from tandem.parallel.comm_hooks import CommHook
-from tandem.parallel.join import DDPJoinHook, common_rank, training_ranks
-from tandem.parallel.join import join as join_context
-from tandem.parallel.reducer import Reducer
+from tandem.parallel.ddp.comm_hooks import CommHook
+from tandem.parallel.ddp.join import join as join_context
+from tandem.parallel.ddp.join import training_ranks
+from tandem.parallel.ddp.reducer import Reducer
 from tandem.parallel.replicas import broadcast_coalesced, check_device_ids, verify_same_model
 
 
@@ -88,7 +88,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         forward_sync_buffers: broadcast rank 0's buffers before every forward in grad mode
             (default True), and take the last joiner's buffers at the end of a join context.
             The buffers are broadcast at construction whatever its value (see ``init_sync``).
-        comm_hook: ``hook(state, bucket) -> Future``; see ``tandem.parallel.comm_hooks``.
+        comm_hook: ``hook(state, bucket) -> Future``; see ``tandem.parallel.ddp.comm_hooks``.
             torch's hooks (``torch.distributed.algorithms.ddp_comm_hooks``) work unchanged.
         comm_state: the ``state`` passed to ``comm_hook`` (default: ``process_group``).
         first_bucket_cap_mb: cap of the first rebuilt bucket, overriding torch's rule.
@@ -290,7 +290,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         throw_on_early_termination: bool = False,
     ) -> Join:
         """torch's ``DistributedDataParallel.join``: ``tandem.join([self], ...)`` (see
-        ``tandem.parallel.join``), for training with uneven inputs across ranks.
+        ``tandem.parallel.ddp.join``), for training with uneven inputs across ranks.
 
         Example::
 
@@ -328,7 +328,7 @@ class DistributedDataParallel(nn.Module, Joinable):
 
         Example::
 
-            from tandem.parallel.comm_hooks import bf16_compress_hook
+            from tandem.parallel.ddp.comm_hooks import bf16_compress_hook
             model.register_comm_hook(None, bf16_compress_hook)
         """
         if not callable(hook):
@@ -526,6 +526,42 @@ def _buffer_slots(module: nn.Module) -> list[tuple[nn.Module, str]]:
                 seen.add(id(b))
                 slots.append((m, name))
     return slots
+
+
+class DDPJoinHook(JoinHook):
+    """What a tandem.DDP rank does each iteration after it ran out (see the module docstring)."""
+
+    def __init__(self, ddp: DistributedDataParallel, divide_by_initial_world_size: bool) -> None:
+        self.ddp = ddp
+        ddp.divide_by_initial_world_size = divide_by_initial_world_size
+
+    def main_hook(self) -> None:
+        """Shadow one forward and backward of the ranks still training."""
+        ddp = self.ddp
+        ddp.reducer.rebuild()
+        ddp.sync_buffers(training=False)
+        if not ddp.announce_sync(joined=True):
+            return  # the others are under no_sync: no gradient collectives this iteration
+        ddp.reducer.shadow_backward()
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        """Every rank takes the model of the last rank to join (its buffers too, unless
+        ``forward_sync_buffers=False``: rank-local buffers stay the rank's, as in torch)."""
+        ddp = self.ddp
+        src = common_rank(ddp, is_last_joiner)
+        ddp.sync_params_and_buffers(src=src, buffers=ddp.forward_sync_buffers)
+        ddp.divide_by_initial_world_size = True
+        ddp.reducer.divisor = ddp.reducer.world_size
+
+
+def common_rank(ddp: DistributedDataParallel, candidate: bool) -> int:
+    """The highest group rank among the ranks passing ``candidate=True`` (one all-reduce)."""
+    rank = group_rank(ddp.process_group)
+    t = torch.tensor([rank if candidate else -1], device=ddp.join_device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ddp.process_group)
+    chosen = int(t.item())
+    assert chosen >= 0, "no rank was a candidate"
+    return chosen
 
 
 def drop_zero_grads(model: nn.Module) -> int:

@@ -1,4 +1,4 @@
-"""lockstep's record of this process's DDP models, without processes.
+"""The out-of-step check's record of this process's DDP models, without processes.
 
 Each model gets the next index (the same on every rank, since every rank builds its models in
 the same order), and a model that is gone is forgotten: a process that builds many models (a
@@ -9,16 +9,16 @@ from __future__ import annotations
 
 import gc
 
-from tandem.parallel import lockstep
+from tandem.parallel.ddp import out_of_step
 
 
 def test_models_are_numbered_in_build_order_and_forgotten_when_gone():
-    first = lockstep.track(None)
-    second = lockstep.track(None)
+    first = out_of_step.track(None)
+    second = out_of_step.track(None)
     assert second.index == first.index + 1
-    assert lockstep._models[first.index] is first
+    assert out_of_step._models[first.index] is first
     index = first.index
     del first
     gc.collect()
-    assert index not in lockstep._models
-    assert lockstep._models[second.index] is second
+    assert index not in out_of_step._models
+    assert out_of_step._models[second.index] is second

@@ -7,7 +7,7 @@ broadcast). With find_unused_parameters the graph may change every step: the buc
 from the start and never rebuilt. The learnt layout is part of the reducer's state, so that a
 resumed run reduces in the same buckets as the uninterrupted one.
 
-:class:`ReducerLayout` is the part of :class:`tandem.parallel.reducer.Reducer` that owns the
+:class:`ReducerLayout` is the part of :class:`tandem.parallel.ddp.reducer.Reducer` that owns the
 buckets and their buffers: cut, rebuilt, saved, the means given to ``.grad`` (large ones as
 views of a buffer, which comes back to its bucket once nobody holds it); the reducer adds the
 per-iteration hooks, launches and the end of backward.
@@ -31,8 +31,8 @@ from torch._utils import _unflatten_dense_tensors
 
 from tandem._dist import global_rank
 from tandem.doctor import records
-from tandem.parallel import lockstep
-from tandem.parallel.buckets import MIB, Bucket, assign_buckets, build_buckets
+from tandem.parallel.ddp import out_of_step
+from tandem.parallel.ddp.buckets import MIB, Bucket, assign_buckets, build_buckets
 
 DEFAULT_BUCKET_MB = 25.0
 # With the default cap the first rebuilt bucket is small, so that the first all-reduce starts
@@ -40,7 +40,7 @@ DEFAULT_BUCKET_MB = 25.0
 DEFAULT_FIRST_BUCKET_MB = 1.0
 
 
-log = logging.getLogger("tandem.parallel.reducer")
+log = logging.getLogger("tandem.parallel.ddp.reducer")
 
 
 # Whether a buffer's storage is still shared by a tensor other than the bucket's own (torch's
@@ -101,7 +101,7 @@ class ReducerLayout:
     rebuilt: bool
     ready_order: list[int]
     backwards: int
-    progress: lockstep.Progress
+    progress: out_of_step.ModelSteps
     wait: Callable[[dist.Work, str], None]
 
     def _layout(

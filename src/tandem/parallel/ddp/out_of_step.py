@@ -58,7 +58,7 @@ class RanksOutOfStepError(RuntimeError):
 
 
 @dataclass
-class Progress:
+class ModelSteps:
     """One DDP model's progress on this rank, as its peers are told."""
 
     index: int  # the n-th DDP model built in this process: the same model on every rank
@@ -67,10 +67,10 @@ class Progress:
     sliced: bool = True  # waits in slices (Gloo); NCCL's stay plain (see `wait`)
 
 
-def track(group: dist.ProcessGroup | None) -> Progress:
+def track(group: dist.ProcessGroup | None) -> ModelSteps:
     """Register a DDP model; the first one joins this process's doctor thread, which then
     answers for it and takes the verdicts of its peers."""
-    progress = Progress(next(_built), group, sliced=_is_gloo(group))
+    progress = ModelSteps(next(_built), group, sliced=_is_gloo(group))
     _models[progress.index] = progress
     if group_size(group) > 1:
         hang.Reporter.sections["lockstep"] = _state
@@ -80,7 +80,7 @@ def track(group: dist.ProcessGroup | None) -> Progress:
     return progress
 
 
-def wait(work: dist.Work, progress: Progress, what: str) -> None:
+def wait(work: dist.Work, progress: ModelSteps, what: str) -> None:
     """``work.wait()``, but a wait that lasts checks that every rank is still in step."""
     if not progress.sliced:
         # NCCL: a plain wait makes the current stream wait for the collective and returns at
@@ -101,7 +101,7 @@ def _is_gloo(group: dist.ProcessGroup | None) -> bool:
         return True
 
 
-def _wait(work: dist.Work, progress: Progress, what: str) -> None:
+def _wait(work: dist.Work, progress: ModelSteps, what: str) -> None:
     try:
         work.wait(timeout=_SLICE)
         return
@@ -135,14 +135,14 @@ def _failed(work: dist.Work) -> bool:
     return work.is_completed()
 
 
-def _raise_if_out_of_step(progress: Progress, what: str, cause: RuntimeError | None) -> None:
+def _raise_if_out_of_step(progress: ModelSteps, what: str, cause: RuntimeError | None) -> None:
     found = _survey(progress, what)
     if found:
         hang.Reporter.stuck = True
         raise RanksOutOfStepError(found) from cause
 
 
-def _survey(progress: Progress, what: str) -> str | None:
+def _survey(progress: ModelSteps, what: str) -> str | None:
     """Ask every rank where it is; the error message if some rank can never join this step."""
     me = dist.get_rank()
     try:
@@ -247,5 +247,5 @@ def _main_thread_call(ident: int | None) -> str | None:
 
 
 # The DDP models alive in this process, by the order they were built (the same on every rank).
-_models: weakref.WeakValueDictionary[int, Progress] = weakref.WeakValueDictionary()
+_models: weakref.WeakValueDictionary[int, ModelSteps] = weakref.WeakValueDictionary()
 _built = itertools.count()
