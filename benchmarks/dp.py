@@ -50,7 +50,7 @@ from torch import nn
 
 import tandem
 from ddp_throughput import MODELS  # the same MLP and conv net as the DDP benchmark
-from tandem.parallel.dp import DataParallel
+from tandem.parallel.dp.wrapper import DataParallel
 
 RESULTS = Path(__file__).resolve().parent / "results"
 # Global batch per model: twice ddp_throughput's per-rank batch, so DDP's ranks see the same.

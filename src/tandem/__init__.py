@@ -16,8 +16,8 @@ if TYPE_CHECKING:
     from tandem.parallel.ddp.comm_hooks import GradBucket
     from tandem.parallel.ddp.join import join
     from tandem.parallel.ddp.wrapper import DistributedDataParallel, drop_zero_grads
-    from tandem.parallel.dp import DataParallel
-    from tandem.parallel.fsdp import FullyShardedDataParallel, MixedPrecisionPolicy
+    from tandem.parallel.dp.wrapper import DataParallel
+    from tandem.parallel.fsdp.wrapper import FullyShardedDataParallel, MixedPrecisionPolicy
     from tandem.parallel.zero import ShardedOptimizer
     from tandem.train.trainer import Trainer
 
@@ -25,11 +25,11 @@ if TYPE_CHECKING:
 
 _LAZY = {
     "DDP": ("tandem.parallel.ddp.wrapper", "DistributedDataParallel"),
-    "DataParallel": ("tandem.parallel.dp", "DataParallel"),
+    "DataParallel": ("tandem.parallel.dp.wrapper", "DataParallel"),
     "DistributedDataParallel": ("tandem.parallel.ddp.wrapper", "DistributedDataParallel"),
-    "FullyShardedDataParallel": ("tandem.parallel.fsdp", "FullyShardedDataParallel"),
+    "FullyShardedDataParallel": ("tandem.parallel.fsdp.wrapper", "FullyShardedDataParallel"),
     "GradBucket": ("tandem.parallel.ddp.comm_hooks", "GradBucket"),
-    "MixedPrecisionPolicy": ("tandem.parallel.fsdp", "MixedPrecisionPolicy"),
+    "MixedPrecisionPolicy": ("tandem.parallel.fsdp.wrapper", "MixedPrecisionPolicy"),
     "ShardedOptimizer": ("tandem.parallel.zero", "ShardedOptimizer"),
     "Trainer": ("tandem.train.trainer", "Trainer"),
     "drop_zero_grads": ("tandem.parallel.ddp.wrapper", "drop_zero_grads"),

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.parallel.dp import DataParallel
+from tandem.parallel.dp.wrapper import DataParallel
 from tests.cuda import gpu
 from tests.unit.test_dp import mlp  # the CPU test's model
 

@@ -70,8 +70,8 @@ from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 import tandem
-import tandem.parallel.flat as flat
-from tandem.parallel.fsdp_precision import MixedPrecisionPolicy
+import tandem.parallel.fsdp.flat as flat
+from tandem.parallel.fsdp.precision import MixedPrecisionPolicy
 from tandem.parallel.zero import ShardedOptimizer
 from tests.cuda import gpu
 from tests.fsdp_models import FSDP, OPTIMIZERS, gathered_tensors, seeded
@@ -308,7 +308,7 @@ def _pair(fields: dict | None, case: str, stage: int, mesh, dev: torch.device):
 
 class _Wire:
     """The input dtypes of tandem's all-gathers and reduce-scatters while it is entered
-    (``tandem.parallel.flat``'s functions, replaced in this process meanwhile)."""
+    (``tandem.parallel.fsdp.flat``'s functions, replaced in this process meanwhile)."""
 
     def __init__(self) -> None:
         self.sent: dict[str, set[str]] = {"all_gather": set(), "reduce_scatter": set()}

@@ -24,7 +24,7 @@ one Parameter, kept by the root in both). Proven at world size 2, 10 steps:
   3 the two layouts put some elements on other owners, whose three addends Gloo adds in
   another order: that test shows the float32 bound, which is not repeated here.
 - the bytes: every all-gather of a training step sends the bfloat16 cast of the float32 shard
-  (its input dtype, recorded at ``tandem.parallel.flat.all_gather_flat``), so a step's
+  (its input dtype, recorded at ``tandem.parallel.fsdp.flat.all_gather_flat``), so a step's
   all-gathers move exactly half the bytes of the same run without mixed precision; every
   reduce-scatter sends float32 (``reduce_dtype``); the shards and their ``.grad`` are float32.
 - checkpoints hold the float32 master weights: ``full_state_dict()`` of a mixed-precision run
@@ -56,8 +56,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-import tandem.parallel.flat as flat
-from tandem.parallel.fsdp_precision import MixedPrecisionPolicy
+import tandem.parallel.fsdp.flat as flat
+from tandem.parallel.fsdp.precision import MixedPrecisionPolicy
 from tests.fsdp_models import (
     FSDP,
     OPTIMIZERS,

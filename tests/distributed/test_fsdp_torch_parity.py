@@ -20,7 +20,7 @@ Why world size 3 is not bitwise everywhere (torch 2.13's source; Gloo's order me
 sum the gradients with one Gloo reduce-scatter and divide the summed slice by N afterwards
 (FSDP2 reduces float32 with ``ReduceOp.AVG``, ``_fully_shard/_fsdp_collectives.py:
 _get_gradient_divide_factors``, which Gloo computes as the sum divided by N; tandem sums, then
-divides by the same rule, ``tandem.parallel.flat.mean_divisors``, checked against torch's
+divides by the same rule, ``tandem.parallel.fsdp.flat.mean_divisors``, checked against torch's
 function below; tandem used to divide every rank's gradient before the sum, as DDP does, which
 differs in the last bit even where the owners agree). Gloo's reduce-scatter adds an element's
 values in an order set by the rank that owns the element (at world size 3: the two other
@@ -42,7 +42,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.parallel.flat import mean_divisors
+from tandem.parallel.fsdp.flat import mean_divisors
 from tests.fsdp_models import (
     FSDP,
     OPTIMIZERS,

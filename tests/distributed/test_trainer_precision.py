@@ -55,7 +55,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from torch.utils.data import DistributedSampler, TensorDataset
 
 import tandem
-import tandem.parallel.flat as flat
+import tandem.parallel.fsdp.flat as flat
 from tandem.data.eval_sampler import shard_range
 from tandem.train.precision import ScalerState, resolve_precision
 from tandem.train.trainer import Trainer

@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.parallel.dp import DataParallel
-from tandem.parallel.dp_steps import ReplicaError
+from tandem.parallel.dp.steps import ReplicaError
+from tandem.parallel.dp.wrapper import DataParallel
 
 CPU = torch.device("cpu")
 TOL = {"atol": 1e-12, "rtol": 0.0}

@@ -26,7 +26,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
 
-from tandem.parallel.dp_steps import (
+from tandem.parallel.dp.steps import (
     ReplicaError,
     Slice,
     gather,

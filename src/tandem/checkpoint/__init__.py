@@ -125,7 +125,7 @@ from tandem.checkpoint.rng import (
 from tandem.checkpoint.run_dir import CheckpointError
 from tandem.checkpoint.sealed import API_FORMAT, write_checkpoint_file
 from tandem.parallel.engine import Engine, Kind
-from tandem.parallel.fsdp import FullyShardedDataParallel
+from tandem.parallel.fsdp.wrapper import FullyShardedDataParallel
 
 __all__ = ["KINDS", "RNG", "CheckpointError", "Kind", "export_weights", "load", "save"]
 

@@ -48,9 +48,9 @@ from torch import nn
 from tandem.checkpoint.fit import check_model, check_optimizer
 from tandem.checkpoint.shards import reshard, reshard_model, reshard_optimizer
 from tandem.parallel.ddp.wrapper import DistributedDataParallel
-from tandem.parallel.dp import DataParallel
+from tandem.parallel.dp.wrapper import DataParallel
 from tandem.parallel.engine import Engine, Kind, ShardedEngine
-from tandem.parallel.fsdp import FullyShardedDataParallel
+from tandem.parallel.fsdp.wrapper import FullyShardedDataParallel
 from tandem.parallel.zero import ShardedOptimizer
 
 FSDP = FullyShardedDataParallel

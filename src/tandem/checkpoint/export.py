@@ -12,7 +12,7 @@ Where a checkpoint keeps the model (read in one process, no process group needed
   rank's shard file.
 
 FSDP shards are put back together by the layout they were cut by
-(:mod:`tandem.parallel.fsdp_state`): per unit, every rank's slice in rank order is the unit's
+(:mod:`tandem.parallel.fsdp.state`): per unit, every rank's slice in rank order is the unit's
 flat buffer (padded to a multiple of the world size, :mod:`tandem.parallel.sharding`), and its
 parameters lie in it one after the other, in the order and shapes the layout lists.
 
@@ -41,7 +41,7 @@ from tandem.checkpoint.run_dir import LATEST, CheckpointError, latest_checkpoint
 from tandem.checkpoint.sealed import payload_kind, read_verified
 from tandem.checkpoint.shards import read_shard
 from tandem.files import write_atomic
-from tandem.parallel.fsdp_state import SHARDED_FORMAT
+from tandem.parallel.fsdp.state import SHARDED_FORMAT
 from tandem.parallel.sharding import flat_shard, padded_numel
 
 _WRAPPER_SEGMENTS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})

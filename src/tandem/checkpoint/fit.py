@@ -19,8 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from tandem.parallel.fsdp import FullyShardedDataParallel as FSDP
-from tandem.parallel.fsdp_state import SHARDED_FORMAT
+from tandem.parallel.fsdp.state import SHARDED_FORMAT
+from tandem.parallel.fsdp.wrapper import FullyShardedDataParallel as FSDP
 from tandem.parallel.zero import ShardedOptimizer
 
 

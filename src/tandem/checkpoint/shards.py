@@ -33,9 +33,9 @@ import torch
 
 from tandem.checkpoint.run_dir import CheckpointError
 from tandem.files import file_digest, fsync_dir, rename_into_place, unlink_quietly, write_temp
-from tandem.parallel import fsdp_reshard
 from tandem.parallel.engine import Engine, ShardedEngine
-from tandem.parallel.fsdp_layout import FsdpLayout
+from tandem.parallel.fsdp import reshard as fsdp_reshard
+from tandem.parallel.fsdp.layout import FsdpLayout
 from tandem.parallel.zero import ShardedOptimizer
 
 SHARDS_DIR = "shards"
@@ -133,7 +133,7 @@ def reshard_model(
     layout: FsdpLayout, saved_world_size: int, read: Callable[[int], dict[str, Any]]
 ) -> dict[str, Any]:
     """This rank's FSDP ``sharded_state_dict()``, cut from the ``"model"`` parts ``read(q)``
-    gives of the saved ranks that overlap this one (:mod:`tandem.parallel.fsdp_reshard`)."""
+    gives of the saved ranks that overlap this one (:mod:`tandem.parallel.fsdp.reshard`)."""
     files = {q: read(q) for q in fsdp_reshard.source_ranks(layout, saved_world_size)}
     return fsdp_reshard.reshard_sharded_state_dict(layout, _parts(files, "model"))
 

@@ -39,8 +39,8 @@ from torch import nn
 from tandem._dist import group_rank, group_size
 from tandem.parallel.ddp.end_of_backward import Rider
 from tandem.parallel.ddp.wrapper import DistributedDataParallel
-from tandem.parallel.dp import DataParallel
-from tandem.parallel.fsdp import FullyShardedDataParallel
+from tandem.parallel.dp.wrapper import DataParallel
+from tandem.parallel.fsdp.wrapper import FullyShardedDataParallel
 from tandem.parallel.grad_norm import clip_sharded_grad_norm_
 from tandem.parallel.zero import ShardedOptimizer
 

@@ -6,7 +6,7 @@ and the rule can be tested without processes. Two granularities:
 - **Whole parameters** (ZeRO stage 1, ``tandem.parallel.zero``): :func:`assign_owners` gives each
   parameter one owner, balancing the bytes per rank. A parameter is never split, so an owner can
   run any ``torch.optim`` optimizer on it unchanged (Adam's state, LAMB's per-tensor norms).
-- **Flat slices** (stages 2 and 3, ``tandem.parallel.flat``): a flat buffer of ``numel``
+- **Flat slices** (stages 2 and 3, ``tandem.parallel.fsdp.flat``): a flat buffer of ``numel``
   elements is padded to a multiple of the world size and cut into equal contiguous slices,
   rank ``r`` owning :func:`flat_shard`\\ ``(numel, world_size, r)``. Equal slices are what
   reduce-scatter and all-gather require; the padding is the price of that.

@@ -21,7 +21,7 @@ from torch import nn
 from tandem._dist import gather_objects, group_size
 from tandem.data.eval_sampler import shard_range
 from tandem.metrics import Accuracy, Mean, reduce_sum
-from tandem.parallel.fsdp import FullyShardedDataParallel
+from tandem.parallel.fsdp.wrapper import FullyShardedDataParallel
 from tandem.train.step import BatchStep
 
 

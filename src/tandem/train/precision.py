@@ -60,8 +60,8 @@ from torch import nn
 from tandem._tree import to_device
 from tandem.parallel.ddp.wrapper import DistributedDataParallel
 from tandem.parallel.engine import check_scaler
-from tandem.parallel.fsdp import FullyShardedDataParallel
-from tandem.parallel.fsdp_precision import MixedPrecisionPolicy
+from tandem.parallel.fsdp.precision import MixedPrecisionPolicy
+from tandem.parallel.fsdp.wrapper import FullyShardedDataParallel
 
 PRECISIONS = ("32-true", "bf16-mixed", "fp16-mixed", "bf16-true")
 

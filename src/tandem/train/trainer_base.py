@@ -23,7 +23,7 @@ from tandem._profile import span
 from tandem.checkpoint.checkpointer import Checkpointer
 from tandem.doctor import trace as tracing
 from tandem.parallel.engine import Engine
-from tandem.parallel.fsdp import FullyShardedDataParallel
+from tandem.parallel.fsdp.wrapper import FullyShardedDataParallel
 from tandem.train.evaluation import evaluate
 from tandem.train.loaders import Loaders
 from tandem.train.metrics_log import Summary, write_metrics

@@ -1,6 +1,6 @@
 """FullyShardedDataParallel checkpoints across world sizes: shards cut anew, nothing gathered.
 
-A sharded checkpoint (:func:`tandem.parallel.fsdp_state.sharded_state_dict`, one file per rank)
+A sharded checkpoint (:func:`tandem.parallel.fsdp.state.sharded_state_dict`, one file per rank)
 holds each unit's flat buffer cut into ``W`` equal slices. At ``W'`` ranks, rank ``r`` owns
 another slice of each buffer (:func:`tandem.parallel.sharding.flat_shard`, the one rule, asked
 for both cuts), and builds it from the saved slices that overlap it:
@@ -34,8 +34,8 @@ from typing import Any
 
 import torch
 
-from tandem.parallel.fsdp_layout import FsdpLayout
-from tandem.parallel.fsdp_state import SHARDED_FORMAT, aliases
+from tandem.parallel.fsdp.layout import FsdpLayout
+from tandem.parallel.fsdp.state import SHARDED_FORMAT, aliases
 from tandem.parallel.sharding import flat_shard, padded_numel
 
 

@@ -17,7 +17,7 @@ the parameter views with one ``torch.split``: in backward the split's single nod
 the parameters' gradients into one flat gradient, which the leaf's post-accumulate hook
 reduce-scatters to the owners.
 
-Mixed precision (:mod:`tandem.parallel.fsdp_precision`): ``full`` is in ``param_dtype``, filled
+Mixed precision (:mod:`tandem.parallel.fsdp.precision`): ``full`` is in ``param_dtype``, filled
 by an all-gather of the shards cast to it (half the bytes in bfloat16), so forward and backward
 compute in it; gradients are cast to ``reduce_dtype`` for the reduce-scatter, and the reduced
 slice to the shard's dtype. Readers of the whole values (checkpoints, ``gathered()``) must not
@@ -93,7 +93,7 @@ def mean_divisors(dtype: torch.dtype, world_size: int) -> tuple[float | None, fl
 
 
 @dataclass(frozen=True)
-class Entry:
+class FlatParam:
     """One original parameter inside a unit's flat buffer."""
 
     fqn: str
@@ -180,10 +180,10 @@ class FlatUnit:
         self.param_dtype = param_dtype or dtype
         # torch's rule: the gradients come in param_dtype and are reduced in it unless told.
         self.reduce_dtype = reduce_dtype or self.param_dtype
-        self.entries: list[Entry] = []
+        self.entries: list[FlatParam] = []
         offset = 0
         for fqn, locations, p in params:
-            self.entries.append(Entry(fqn, tuple(locations), p.shape, offset))
+            self.entries.append(FlatParam(fqn, tuple(locations), p.shape, offset))
             offset += p.numel()
         self.numel = offset
         self.padded = padded_numel(self.numel, self.world_size)

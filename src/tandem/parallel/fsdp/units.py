@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tandem._dist import agree
-from tandem.parallel.fsdp_precision import MixedPrecisionPolicy, check_parameters, resolve_policy
+from tandem.parallel.fsdp.precision import MixedPrecisionPolicy, check_parameters, resolve_policy
 
 AutoWrap = Callable[[nn.Module], bool] | Iterable[type[nn.Module]]
 

@@ -2,7 +2,7 @@
 
 The wrapper builds one :class:`FsdpLayout` at construction and hands it to everything that
 works on the sharded model from outside its forward and backward (the checkpoints in
-:mod:`tandem.parallel.fsdp_state`), so that those read a record, not the wrapper's attributes,
+:mod:`tandem.parallel.fsdp.state`), so that those read a record, not the wrapper's attributes,
 and never import the wrapper back.
 
 The plain module's names (its ``state_dict()`` keys, its parameters' order) must be read
@@ -27,7 +27,7 @@ from types import MappingProxyType
 import torch.distributed as dist
 from torch import nn
 
-from tandem.parallel.flat import FlatUnit
+from tandem.parallel.fsdp.flat import FlatUnit
 
 # Per unit, its parameters' (fqn, shape) in flat-buffer order: what a sharded checkpoint was cut
 # by, and must match to load.

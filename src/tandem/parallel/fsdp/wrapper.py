@@ -2,7 +2,7 @@
 
 The model is cut into *units*: every submodule that ``auto_wrap`` picks, and the root for the
 parameters left over. Each unit's trainable parameters become one flat buffer, sharded by the
-rule in :mod:`tandem.parallel.sharding` (:class:`tandem.parallel.flat.FlatUnit`); the wrapper's
+rule in :mod:`tandem.parallel.sharding` (:class:`tandem.parallel.fsdp.flat.FlatUnit`); the wrapper's
 ``parameters()`` are the shards, so a plain ``torch.optim`` optimizer over them keeps state for
 this rank's slice only. One training step, stage 3:
 
@@ -12,16 +12,16 @@ this rank's slice only. One training step, stage 3:
    parameters again; when the unit's flat gradient is complete it is reduce-scattered, started
    asynchronously, and the parameters are freed.
 3. End of backward (a callback queued in step 2): wait for the reduce-scatters and divide
-   the sums by N (:func:`tandem.parallel.flat.mean_divisors`: torch FSDP2's rule, the same
+   the sums by N (:func:`tandem.parallel.fsdp.flat.mean_divisors`: torch FSDP2's rule, the same
    bits); each shard's ``.grad`` is its slice of the mean gradient (added to, when gradients
    accumulate).
 4. ``optimizer.step()`` updates the shards; the next forward gathers the new values.
 
-The hooks that run these steps are :mod:`tandem.parallel.fsdp_hooks`; this module builds the
+The hooks that run these steps are :mod:`tandem.parallel.fsdp.hooks`; this module builds the
 units and holds the public API. Stage 2 is the same without the frees: every rank keeps the
 whole parameters between steps and skips the all-gathers while its shard has not changed, so
 only gradients (reduce-scattered) and optimizer state are sharded. With ``mixed_precision``
-(:mod:`tandem.parallel.fsdp_precision`) the shards stay float32 and the units gather, compute
+(:mod:`tandem.parallel.fsdp.precision`) the shards stay float32 and the units gather, compute
 and reduce in the policy's dtypes, as torch's ``fully_shard(mp_policy=...)`` does.
 
 Collectives are issued in the order the units run, so every rank must run the same units in
@@ -29,7 +29,7 @@ the same order, forward and backward (as with torch's FSDP). Buffers are broadca
 once, at construction; frozen parameters stay ordinary, replicated parameters.
 
 What the model is made of (units, names, group) is one record, :class:`FsdpLayout`
-(``model.layout``), which the checkpoints (:mod:`tandem.parallel.fsdp_state`) read. What it does
+(``model.layout``), which the checkpoints (:mod:`tandem.parallel.fsdp.state`) read. What it does
 shows in torch's profiler as ranges ``tandem.fsdp.forward`` (one per unit forward, the unit
 named in its argument), ``tandem.fsdp.all_gather`` (a gather waited for), ``.all_gather_start``
 (a prefetch started), ``.reduce_scatter``, ``.reduce_scatter_wait`` and ``.finish_backward``;
@@ -50,12 +50,12 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from tandem._dist import group_rank, group_size, require_process_group
 from tandem.doctor import steps
-from tandem.parallel import fsdp_state
-from tandem.parallel.flat import FlatUnit
-from tandem.parallel.fsdp_hooks import Hooks
-from tandem.parallel.fsdp_layout import FsdpLayout, PlainNames
-from tandem.parallel.fsdp_precision import MixedPrecisionPolicy
-from tandem.parallel.fsdp_units import AutoWrap, agree_on_policy, check_fits, plan_agreed
+from tandem.parallel.fsdp import state as fsdp_state
+from tandem.parallel.fsdp.flat import FlatUnit
+from tandem.parallel.fsdp.hooks import Hooks
+from tandem.parallel.fsdp.layout import FsdpLayout, PlainNames
+from tandem.parallel.fsdp.precision import MixedPrecisionPolicy
+from tandem.parallel.fsdp.units import AutoWrap, agree_on_policy, check_fits, plan_agreed
 from tandem.parallel.grad_norm import clip_sharded_grad_norm_
 from tandem.parallel.replicas import broadcast_coalesced, verify_same_model
 
@@ -80,7 +80,7 @@ class FullyShardedDataParallel(nn.Module):
             units on every rank (checked).
         process_group: the group to shard over (default: the whole world).
         device: where shards and gathered parameters live (default: the parameters' device).
-        mixed_precision: a :class:`~tandem.parallel.fsdp_precision.MixedPrecisionPolicy`
+        mixed_precision: a :class:`~tandem.parallel.fsdp.precision.MixedPrecisionPolicy`
             (torch's ``torch.distributed.fsdp.MixedPrecisionPolicy`` or a dict of its fields
             too): parameters gathered and used in ``param_dtype``, gradients reduced in
             ``reduce_dtype`` into float32 shards, as torch's ``fully_shard`` applied with it
@@ -292,7 +292,7 @@ class FullyShardedDataParallel(nn.Module):
                 elif unit.mixed:
                     unit.attach(requires_grad=False)  # back to the gathered param_dtype copy
 
-    # -- checkpoints (tandem.parallel.fsdp_state) ----------------------------------------------
+    # -- checkpoints (tandem.parallel.fsdp.state) ----------------------------------------------
 
     def full_state_dict(self, to: int = 0) -> dict[str, Any] | None:
         """The plain module's ``state_dict()``, gathered on group rank ``to`` (a collective).

@@ -1,6 +1,6 @@
 """FSDP's hook machinery: what runs around every unit's forward and backward.
 
-:class:`Hooks` is the part of :class:`~tandem.parallel.fsdp.FullyShardedDataParallel` that
+:class:`Hooks` is the part of :class:`~tandem.parallel.fsdp.wrapper.FullyShardedDataParallel` that
 autograd and the module hooks call into; the wrapper builds it and keeps the public API. Per
 unit, in the order the units run:
 
@@ -37,9 +37,9 @@ from torch.utils._pytree import tree_flatten
 
 from tandem._profile import OFF, backward_span, recording, span
 from tandem.doctor import records, steps
-from tandem.parallel.flat import FlatUnit, Reduction
-from tandem.parallel.fsdp_layout import FsdpLayout
-from tandem.parallel.fsdp_precision import MixedPrecisionPolicy
+from tandem.parallel.fsdp.flat import FlatUnit, Reduction
+from tandem.parallel.fsdp.layout import FsdpLayout
+from tandem.parallel.fsdp.precision import MixedPrecisionPolicy
 
 log = logging.getLogger("tandem.fsdp")
 

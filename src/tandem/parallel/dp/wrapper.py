@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tandem.parallel.dp_steps import (
+from tandem.parallel.dp.steps import (
     gather,
     parallel_apply,
     replicate,

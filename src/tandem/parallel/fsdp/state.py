@@ -12,9 +12,9 @@
   rank, no communication, and it loads only at the same world size into the same model (both
   checked, with an error that points to the full form).
 - **Resharded**: shards saved at another world size are cut anew for this rank by
-  :mod:`tandem.parallel.fsdp_reshard`, into what :func:`sharded_state_dict` would hold here.
+  :mod:`tandem.parallel.fsdp.reshard`, into what :func:`sharded_state_dict` would hold here.
 
-Every function takes the model's :class:`~tandem.parallel.fsdp_layout.FsdpLayout` (its units,
+Every function takes the model's :class:`~tandem.parallel.fsdp.layout.FsdpLayout` (its units,
 names and group), never the wrapper itself: the wrapper's methods of the same names call these.
 
 Example::
@@ -31,8 +31,8 @@ from typing import Any
 import torch
 
 from tandem._dist import agree
-from tandem.parallel.flat import FlatUnit, all_gather_flat
-from tandem.parallel.fsdp_layout import FsdpLayout
+from tandem.parallel.fsdp.flat import FlatUnit, all_gather_flat
+from tandem.parallel.fsdp.layout import FsdpLayout
 
 SHARDED_FORMAT = "tandem.fsdp.sharded/1"
 
@@ -128,7 +128,7 @@ def load_sharded_state_dict(layout: FsdpLayout, state: dict[str, Any]) -> None:
         raise ValueError(
             f"sharded state dict of rank {saved[0]} of {saved[1]} cannot load into rank "
             f"{layout.rank} of {layout.world_size}: a sharded checkpoint loads at the world size "
-            "that wrote it; reshard it (tandem.parallel.fsdp_reshard) or load a full state dict "
+            "that wrote it; reshard it (tandem.parallel.fsdp.reshard) or load a full state dict "
             "to change the world size"
         )
     if [[(f, tuple(s)) for f, s in unit] for unit in state["layout"]] != layout.signature():
