@@ -12,8 +12,8 @@ import socket
 from datetime import timedelta
 from urllib.parse import urlsplit
 
-from tandem.launch.env import Placement
-from tandem.launch.meeting import announce
+from tandem.job.checkin import announce
+from tandem.job.placement import Placement
 
 BACKENDS = ("gloo", "nccl", "mpi")
 INIT_SCHEMES = ("env", "tcp", "file")

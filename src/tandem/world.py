@@ -1,6 +1,6 @@
 """Who am I: this process's place in the job, its process group and its device.
 
-``init()`` turns the launcher's environment (read by :mod:`tandem.launch.env`) into the default
+``init()`` turns the launcher's environment (read by :mod:`tandem.job.placement`) into the default
 process group and a :class:`World` record; ``world()`` answers from that record everywhere else.
 A job of one process needs no process group, so the same script runs on one process and on many.
 """
@@ -21,14 +21,14 @@ from tandem.init_args import (
     export_master,
     store_address,
 )
-from tandem.launch import meeting
-from tandem.launch.env import (
+from tandem.job import checkin
+from tandem.job.checkin import meet, rendezvous_timeout_s
+from tandem.job.placement import (
     LOCAL_RANK_VARIABLE,
     Placement,
     override_placement,
     placement_from_env,
 )
-from tandem.launch.meeting import meet, rendezvous_timeout_s
 
 # torch is imported inside the functions that need it: `import tandem` stays fast, and the
 # launcher (which imports this package) never pays for torch.
@@ -90,7 +90,7 @@ def init(
     """Join the job: create the default process group when there is more than one process.
 
     Rank, world size and rendezvous come from torchrun's, SLURM's or OpenMPI's environment
-    (see :func:`tandem.launch.env.placement_from_env`); ``rank`` and ``world_size`` override
+    (see :func:`tandem.job.placement.placement_from_env`); ``rank`` and ``world_size`` override
     them. A lone process with no ``init_method`` creates no group. A default group that
     already exists is adopted, and left for its creator to destroy. A second call returns the
     current world.
@@ -111,7 +111,7 @@ def init(
         rendezvous_timeout: seconds the processes wait for each other at the start (default
             60, or ``TANDEM_RENDEZVOUS_TIMEOUT``): a rank that never arrives, a RANK given
             twice, a WORLD_SIZE that differs or a busy port fails every rank by then
-            (:mod:`tandem.launch.meeting`).
+            (:mod:`tandem.job.checkin`).
 
     Returns:
         The :class:`World`, also returned by :func:`world` from now on.
@@ -252,7 +252,7 @@ def shutdown() -> None:
 
     Raises:
         RendezvousError: a process with a RANK of this job checked in after the job formed (a
-            RANK given twice), on every rank (:func:`tandem.launch.meeting.check_out`); the
+            RANK given twice), on every rank (:func:`tandem.job.checkin.check_out`); the
             group is destroyed all the same.
 
     Example::
@@ -270,13 +270,13 @@ def shutdown() -> None:
         if _owns_group and _group_exists():
             _meet_before_teardown(dist)
             try:
-                # A RANK given twice fails every rank, however short the job (see meeting).
-                meeting.check_out(dist.get_rank(), dist.get_world_size())
+                # A RANK given twice fails every rank, however short the job (tandem.job.checkin).
+                checkin.check_out(dist.get_rank(), dist.get_world_size())
             finally:
                 dist.destroy_process_group()
     finally:
         _current, _owns_group = None, False
-        meeting.joined = None  # its store goes with the group
+        checkin.joined = None  # its store goes with the group
 
 
 def _meet_before_teardown(dist: Any) -> None:

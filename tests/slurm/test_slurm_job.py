@@ -32,8 +32,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tandem.launch.env import slurm_master_port
-from tandem.launch.hostlist import expand_hostlist
+from tandem.job.hostlist import expand_hostlist
+from tandem.job.placement import slurm_master_port
 from tandem.launch.slurm import build_sbatch_script
 from tests.slurm import train_job, trainer_job
 

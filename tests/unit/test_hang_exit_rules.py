@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tandem.doctor import hang
-from tandem.launch.env import placement_from_env
+from tandem.job.placement import placement_from_env
 from tandem.launch.failures import Failure
 from tandem.launch.supervisor import hang_reports, held_up_by
 from tandem.world import _numbered_by_hand

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tandem.launch.hostlist import expand_hostlist
+from tandem.job.hostlist import expand_hostlist
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""The rendezvous' judgement of who checked in (tandem.launch.meeting.diagnose), as a property:
+"""The rendezvous' judgement of who checked in (tandem.job.checkin.diagnose), as a property:
 it finds nothing wrong exactly when every process agrees on WORLD_SIZE, has a RANK in range and
 no RANK is taken twice, and otherwise names the first kind of fault in that order."""
 
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tandem.launch.meeting import diagnose, rendezvous_timeout_s
+from tandem.job.checkin import diagnose, rendezvous_timeout_s
 
 entry = st.builds(
     lambda rank, size, pid: {"rank": rank, "world_size": size, "pid": pid, "host": "h"},

@@ -2,8 +2,8 @@
 
 Proves, without processes:
 
-- a :class:`tandem.doctor.steps.Clock` records each step's duration and the part of it spent
-  inside ``steps.waiting`` (a blocking collective's time inside a wait is counted once);
+- a :class:`tandem.doctor.step_clock.Clock` records each step's duration and the part of it spent
+  inside ``step_clock.waiting`` (a blocking collective's time inside a wait is counted once);
 - the step file a rank writes reads back into the summary, only the newest attempt of the run
   asked for, a broken file left out;
 - the summary names the rank whose median work per step (step less waiting) is more than 10%
@@ -19,16 +19,16 @@ import time
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tandem.doctor import steps, stragglers
+from tandem.doctor import step_clock, stragglers
 from tandem.doctor.stragglers import RankSteps, describe, slowest
 
 
 def test_a_clock_times_steps_and_the_waiting_inside_them():
-    clock = steps.Clock("test", priority=1)
+    clock = step_clock.Clock("test", priority=1)
     clock.tick()
-    with steps.waiting:
+    with step_clock.waiting:
         time.sleep(0.03)
-        steps.blocked(5.0)  # a blocking collective inside a wait: already counted by the wait
+        step_clock.blocked(5.0)  # a blocking collective inside a wait: already counted by the wait
     time.sleep(0.01)
     clock.tick()
     clock.tick()
@@ -36,15 +36,15 @@ def test_a_clock_times_steps_and_the_waiting_inside_them():
     assert 0.04 <= seconds < 1.0
     assert 0.03 <= waited < seconds - 0.009
     assert short < 0.01 and none == 0.0
-    before = steps.waited()
-    steps.blocked(0.5)  # outside a wait: counted
-    assert steps.waited() - before == 0.5
+    before = step_clock.waited()
+    step_clock.blocked(0.5)  # outside a wait: counted
+    assert step_clock.waited() - before == 0.5
 
 
 def _write(directory, rank, attempt, run_id="run1", per_step=(0.1, 0.05), n=5):
     record = {"rank": rank, "run_id": run_id, "attempt": attempt, "clock": "test",
               "steps": [list(per_step)] * n, "waited_s": per_step[1] * n}  # fmt: skip
-    (directory / steps.file_name(run_id, rank)).write_text(json.dumps(record))
+    (directory / step_clock.file_name(run_id, rank)).write_text(json.dumps(record))
 
 
 def test_the_summary_reads_the_newest_attempt_of_its_run(tmp_path):
@@ -52,7 +52,7 @@ def test_the_summary_reads_the_newest_attempt_of_its_run(tmp_path):
     _write(tmp_path, 1, attempt=1, per_step=(0.1, 0.0))
     _write(tmp_path, 2, attempt=0, per_step=(9.0, 0.0))  # an earlier attempt's: left out
     _write(tmp_path, 3, attempt=5, run_id="another")  # another job's: left out
-    (tmp_path / steps.file_name("run1", 4)).write_text("{broken")
+    (tmp_path / step_clock.file_name("run1", 4)).write_text("{broken")
     ranks = stragglers.read(tmp_path, "run1")
     assert [r.rank for r in ranks] == [0, 1]
     text = stragglers.summary(tmp_path, "run1")
@@ -65,17 +65,17 @@ def test_the_summary_reads_the_newest_attempt_of_its_run(tmp_path):
 def test_a_rank_writes_its_steps_for_the_summary(tmp_path, monkeypatch):
     monkeypatch.setenv("RANK", "3")
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "abc")
-    monkeypatch.setattr(steps, "_clocks", [])
-    made = steps.Clock("tandem.DDP forwards", priority=1)
-    trainer = steps.Clock("tandem.Trainer optimizer steps", priority=0)
-    steps._clocks.extend([made, trainer])
-    assert steps.write(tmp_path) is None  # no step yet
+    monkeypatch.setattr(step_clock, "_clocks", [])
+    made = step_clock.Clock("tandem.DDP forwards", priority=1)
+    trainer = step_clock.Clock("tandem.Trainer optimizer steps", priority=0)
+    step_clock._clocks.extend([made, trainer])
+    assert step_clock.write(tmp_path) is None  # no step yet
     for _ in range(3):
         made.tick()
-    assert steps.counting() is made
+    assert step_clock.counting() is made
     trainer.tick()
     trainer.tick()  # the Trainer's clock wins once it has a step
-    path = steps.write(tmp_path)
+    path = step_clock.write(tmp_path)
     assert path == tmp_path / "tandem-steps-abc-rank3.json"
     written = json.loads(path.read_text())
     assert written["clock"] == "tandem.Trainer optimizer steps" and len(written["steps"]) == 1

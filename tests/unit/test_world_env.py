@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tandem.launch.env import (
+from tandem.job.placement import (
     Placement,
     override_placement,
     placement_from_env,

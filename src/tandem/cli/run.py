@@ -345,7 +345,7 @@ def _signals(text: str) -> tuple[int, ...]:
 def run_command(args: argparse.Namespace) -> int:
     """``tandem run``: returns the exit status (0, or the first failure's)."""
     if args.hostfile is not None:  # one `tandem run` per host, over ssh
-        from tandem.launch.hostfile import run_hostfile
+        from tandem.launch.ssh_launcher import run_hostfile
 
         return run_hostfile(args, args.run_actions)
     term = args.term_timeout if args.shutdown_timeout is None else args.shutdown_timeout

@@ -113,7 +113,7 @@ def stage_local(
 
 def _local_placement(local_rank: int | None, local_world_size: int | None) -> tuple[int, int]:
     if local_rank is None or local_world_size is None:
-        from tandem.launch.env import placement_from_env
+        from tandem.job.placement import placement_from_env
 
         placement = placement_from_env(os.environ)
         local_rank = placement.local_rank if local_rank is None else local_rank

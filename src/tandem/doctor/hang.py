@@ -55,7 +55,7 @@ from typing import Any, ClassVar
 import torch.distributed as dist
 
 from tandem.doctor import aborts, mismatch, records, reports
-from tandem.launch import meeting
+from tandem.job import checkin
 
 log = logging.getLogger(__name__)
 
@@ -199,8 +199,8 @@ class Reporter:
             sys.stderr.flush()
             os._exit(1)
         try:  # a script that never called tandem.shutdown(): its check-out, here
-            meeting.check_out(cls._rank, cls._world, meeting.SETTLE_S + _CHECK_OUT_AT_EXIT_S)
-        except meeting.RendezvousError as e:
+            checkin.check_out(cls._rank, cls._world, checkin.SETTLE_S + _CHECK_OUT_AT_EXIT_S)
+        except checkin.RendezvousError as e:
             print(f"tandem: RendezvousError: {e}", file=sys.stderr, flush=True)
             sys.stdout.flush()
             os._exit(1)
@@ -260,8 +260,8 @@ class Reporter:
             cls._answered = answer_queries(store, cls._answered, cls._rank, cls.state)
         if mismatch.failed is None and store.check(["fatal"]):
             _take(store, store.get("fatal").decode())
-        if mismatch.failed is None and (note := meeting.fatal_note()) is not None:
-            _take(store, note, meeting.RendezvousError)  # a late duplicate RANK: stop the job
+        if mismatch.failed is None and (note := checkin.fatal_note()) is not None:
+            _take(store, note, checkin.RendezvousError)  # a late duplicate RANK: stop the job
 
     @classmethod
     def blocked_in(cls) -> records.Record | None:

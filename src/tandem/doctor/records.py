@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from tandem.doctor import mismatch, steps
+from tandem.doctor import mismatch, step_clock
 
 # Re-exported: the error and the calls that set and check it are part of the records' API.
 from tandem.doctor.mismatch import CollectiveMismatchError, fail, raise_if_failed  # noqa: F401
@@ -334,7 +334,7 @@ def _recorded(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
         else:
             record.end = time.time()
             if not is_async:  # the time this thread waited, for tandem run's exit summary
-                steps.blocked(record.end - record.start)
+                step_clock.blocked(record.end - record.start)
         return result
 
     return call

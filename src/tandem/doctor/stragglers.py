@@ -7,7 +7,7 @@ straggler has the most work and waits least. The summary lists, per rank, the me
 and time spent waiting, and names the rank whose median work is more than :data:`THRESHOLD`
 above the median over ranks.
 
-The step files come from :mod:`tandem.doctor.steps`; ``tandem run`` prints :func:`summary` at
+The step files come from :mod:`tandem.doctor.step_clock`; ``tandem run`` prints :func:`summary` at
 the end of every run (its workers write into its report directory).
 
 Example::
@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from tandem.doctor import steps
+from tandem.doctor import step_clock
 
 #: A rank is named when its median work per step is this much above the median rank's.
 THRESHOLD = 0.10
@@ -115,7 +115,7 @@ def describe(ranks: Sequence[RankSteps], threshold: float = THRESHOLD) -> str:
 def read(directory: Path, run_id: str | None = None) -> list[RankSteps]:
     """The step files in ``directory`` (of run ``run_id``, if given), newest attempt only."""
     found: list[dict] = []
-    for path in sorted(directory.glob(steps.file_name(run_id, "*"))):
+    for path in sorted(directory.glob(step_clock.file_name(run_id, "*"))):
         with contextlib.suppress(OSError, ValueError):
             found.append(json.loads(path.read_text()))
     if not found:

@@ -24,12 +24,12 @@ import argparse
 import os
 import re
 import secrets
-import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from tandem.launch.rendezvous import SECRET_VARIABLE, LaunchError
+from tandem.job.secret import SECRET_VARIABLE
+from tandem.launch.rendezvous import LaunchError
 
 #: Comma-separated names of further variables to pass to every host (``NCCL_DEBUG,WANDB_MODE``).
 FORWARD_VARIABLE = "TANDEM_SSH_ENV"
@@ -185,35 +185,3 @@ def forwarded_env(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
     env = {name.strip(): environ[name.strip()] for name in names if name.strip() in environ}
     env[SECRET_VARIABLE] = environ.get(SECRET_VARIABLE) or secrets.token_hex(16)
     return env
-
-
-def run_hostfile(args: argparse.Namespace, actions: Iterable[argparse.Action]) -> int:
-    """``tandem run --hostfile FILE ...``: every host's launcher over ssh; the exit status.
-
-    ``actions``: the ``run`` parser's, to pass every other flag on (:func:`forwarded_flags`).
-
-    Example::
-
-        code = run_hostfile(parser.parse_args(["run", "--hostfile", "h.txt", "t.py"]), actions)
-    """
-    from tandem.launch.ssh_launcher import HostfileLauncher  # ssh and threads: only when used
-
-    hosts = read_hostfile(Path(args.hostfile))
-    check_placement(args)
-    nproc = workers_per_host(hosts, args.nproc_per_node)
-    port = args.master_port if args.master_port is not None else DEFAULT_PORT
-    if not 1 <= port <= 65535:
-        raise LaunchError(f"--master-port {port} is outside 1..65535")
-    if args.rdzv_id == "none":  # one id for the job, not one per host (its run id, its logs)
-        args = argparse.Namespace(**{**vars(args), "rdzv_id": uuid.uuid4().hex[:12]})
-    node_flags = [
-        "--nnodes", str(len(hosts)),
-        "--nproc-per-node", str(nproc),
-        "--master-addr", hosts[0].name,
-        "--master-port", str(port),
-        *forwarded_flags(args, actions),
-        args.script, *args.script_args,
-    ]  # fmt: skip
-    term = args.term_timeout if args.shutdown_timeout is None else args.shutdown_timeout
-    launcher = HostfileLauncher(hosts, nproc, node_flags, forwarded_env(), args.grace_period, term)
-    return launcher.run()

@@ -45,14 +45,14 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from tandem.job.secret import key_scope
 from tandem.launch.failures import Failure
 from tandem.launch.rendezvous import (
     ROUND_VARIABLE,
+    Attempt,
     LaunchError,
-    Placement,
     Restart,
     is_store_host,
-    key_scope,
     open_store,
     read_failure,
     warn_without_secret,
@@ -183,7 +183,7 @@ class ElasticCoordinator:
 
     # ---- 1 and 2: registering and closing a round ----
 
-    def begin(self, attempt: int) -> Placement:
+    def begin(self, attempt: int) -> Attempt:
         """Form the next round (node 0) or join it (the others); this node's place in it."""
         if self.serving:
             self._close(0 if attempt == 0 else self.round + 1)
@@ -193,7 +193,7 @@ class ElasticCoordinator:
         env = {"TORCHELASTIC_USE_AGENT_STORE": "True", ROUND_VARIABLE: str(self.round)}
         self.beats = _Beats(self.settings.lost_after)  # a member's clock starts at its round
         self.asked, self.asked_change, self.last_failure = 0.0, 0.0, None
-        return Placement(
+        return Attempt(
             self.addr, self.port, env, index, len(self.members), self.round, elastic=True
         )
 

@@ -1,7 +1,7 @@
 """Where the workers of an attempt meet: a free local port, or node 0's TCPStore for many nodes.
 
 A coordinator answers four questions per attempt: which address and port the workers'
-rendezvous uses (and this node's place, a :class:`Placement`), whether another node's worker
+rendezvous uses (and this node's place, an :class:`Attempt`), whether another node's worker
 has failed, whether the membership changes (a node waits to join), and whether every node is
 done. One node needs no network service at all (and no torch in the launcher); many nodes meet
 at node 0 through torch's TCPStore, with keys named by attempt so a restart never reads what
@@ -11,47 +11,25 @@ the failed attempt left behind. Elastic node counts (c10d, ``--nnodes MIN:MAX``)
 Example::
 
     coordinator = LocalCoordinator("127.0.0.1", port=None)
-    placement = coordinator.begin(attempt=0)   # placement.addr, placement.port, ...
+    attempt = coordinator.begin(attempt=0)   # attempt.addr, attempt.port, ...
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import socket
 import sys
 import time
-from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
+from tandem.job.secret import SECRET_VARIABLE, key_scope
 from tandem.launch.failures import Failure
 
-#: A secret every node of a job shares (``tandem slurm`` makes one per job): the store keys of
-#: the launchers and of ``tandem.init`` live under a name derived from it, so a client without it
-#: can neither read them nor forge one (a "failed" key that would stop the job).
-SECRET_VARIABLE = "TANDEM_JOB_SECRET"
 #: The rendezvous round the workers' store keys live under (``tandem.init`` reads it before
 #: ``TORCHELASTIC_RESTART_COUNT``): every node agrees on it, while torch's restart count only
 #: counts this node's failure restarts (a node admitted later starts it at 0).
 ROUND_VARIABLE = "TANDEM_RDZV_ROUND"
-
-
-def key_scope(environ: Mapping[str, str] = os.environ) -> str:
-    """The store-key prefix the job's secret gives (``""`` without one); never the secret itself.
-
-    Example::
-
-        >>> key_scope({"TANDEM_JOB_SECRET": "s3cret"})
-        'job-1ec1c26b50d5d3c58d9583181af80766/'
-        >>> key_scope({})
-        ''
-    """
-    secret = environ.get(SECRET_VARIABLE)
-    if not secret:
-        return ""
-    return f"job-{hashlib.sha256(secret.encode()).hexdigest()[:32]}/"
 
 
 class LaunchError(RuntimeError):
@@ -59,7 +37,7 @@ class LaunchError(RuntimeError):
 
 
 @dataclass(frozen=True)
-class Placement:
+class Attempt:
     """One attempt's world, as the rendezvous formed it: where the workers meet, this node's
     rank among ``nnodes`` (fixed, or this round's under ``--nnodes MIN:MAX``), and the
     rendezvous ``round`` every node of the attempt agrees on."""
@@ -81,9 +59,9 @@ class Restart:
 
 
 class Coordinator(Protocol):
-    """What the supervisor needs from the rendezvous, per attempt (``round``: its Placement's)."""
+    """What the supervisor needs from the rendezvous, per attempt (``round``: its Attempt's)."""
 
-    def begin(self, attempt: int) -> Placement: ...
+    def begin(self, attempt: int) -> Attempt: ...
 
     def remote_failure(self, round: int) -> Failure | None: ...
 
@@ -137,12 +115,12 @@ class LocalCoordinator:
         self.addr = addr
         self.port = port
 
-    def begin(self, attempt: int) -> Placement:
+    def begin(self, attempt: int) -> Attempt:
         if self.port is not None:
             check_port_free(self.addr, self.port)
-            return Placement(self.addr, self.port, {}, 0, 1, attempt)
+            return Attempt(self.addr, self.port, {}, 0, 1, attempt)
         # A new port each attempt: a restarted rank 0 never races the dying one for its port.
-        return Placement(self.addr, free_port(self.addr), {}, 0, 1, attempt)
+        return Attempt(self.addr, free_port(self.addr), {}, 0, 1, attempt)
 
     def remote_failure(self, round: int) -> Failure | None:
         return None
@@ -231,7 +209,7 @@ class StoreCoordinator:
     def _key(self, attempt: int, name: str) -> str:
         return f"tandem/{self.scope}attempt_{attempt}/{name}"
 
-    def begin(self, attempt: int) -> Placement:
+    def begin(self, attempt: int) -> Attempt:
         self.store.set(self._key(attempt, f"node_{self.node_rank}"), self.host)
         deadline = time.monotonic() + self.timeout
         while True:
@@ -252,7 +230,7 @@ class StoreCoordinator:
             time.sleep(0.05)
         # The workers' own rendezvous is this store, under a prefix per restart count.
         env = {"TORCHELASTIC_USE_AGENT_STORE": "True", ROUND_VARIABLE: str(attempt)}
-        return Placement(self.addr, self.port, env, self.node_rank, self.nnodes, attempt)
+        return Attempt(self.addr, self.port, env, self.node_rank, self.nnodes, attempt)
 
     def remote_failure(self, round: int) -> Failure | None:
         return read_failure(self.store, self._key(round, "failed"))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 
-from tandem.launch.env import slurm_first_host, slurm_master_port
+from tandem.job.placement import slurm_first_host, slurm_master_port
 
 _DIGITS = re.compile(r"[0-9]+")
 
@@ -24,7 +24,7 @@ def node_placement_from_slurm(environ: Mapping[str, str]) -> tuple[int, int, str
     SLURM_STEP_NODELIST, SLURM_NODELIST or SLURM_JOB_NODELIST (the step's own variables first:
     a step may run on part of the job's nodes) and the port as :func:`slurm_master_port` of
     SLURM_JOB_ID. MASTER_ADDR and MASTER_PORT override the derived host and port, as they do
-    in :func:`tandem.launch.env.placement_from_env`.
+    in :func:`tandem.job.placement.placement_from_env`.
 
     The batch script itself (no SLURM_STEP_ID) of a one-node job also gets its placement, so
     ``tandem run`` may run there without srun.

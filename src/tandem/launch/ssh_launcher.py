@@ -30,6 +30,7 @@ Example::
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -40,18 +41,27 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from pathlib import Path
 
 from tandem.launch.failures import describe_exit
+from tandem.launch.hostfile import (
+    DEFAULT_PORT,
+    Host,
+    check_placement,
+    forwarded_env,
+    forwarded_flags,
+    read_hostfile,
+    workers_per_host,
+)
 from tandem.launch.relay import relay
+from tandem.launch.rendezvous import LaunchError
 
 # One rule in one place: workers and ssh clients die with their launcher the same way.
 from tandem.launch.supervisor import in_own_group_dying_with_parent
-
-if TYPE_CHECKING:  # hostfile.py imports this module to run the hosts
-    from tandem.launch.hostfile import Host
 
 #: The ssh command (and options) to reach the hosts, split as a shell would; default ``ssh``.
 SSH_VARIABLE = "TANDEM_SSH"
@@ -283,3 +293,33 @@ class HostfileLauncher:
 
 def _say(message: str) -> None:
     print(f"tandem run: {message}", file=sys.stderr, flush=True)
+
+
+def run_hostfile(args: argparse.Namespace, actions: Iterable[argparse.Action]) -> int:
+    """``tandem run --hostfile FILE ...``: every host's launcher over ssh; the exit status.
+
+    ``actions``: the ``run`` parser's, to pass every other flag on (:func:`forwarded_flags`).
+
+    Example::
+
+        code = run_hostfile(parser.parse_args(["run", "--hostfile", "h.txt", "t.py"]), actions)
+    """
+    hosts = read_hostfile(Path(args.hostfile))
+    check_placement(args)
+    nproc = workers_per_host(hosts, args.nproc_per_node)
+    port = args.master_port if args.master_port is not None else DEFAULT_PORT
+    if not 1 <= port <= 65535:
+        raise LaunchError(f"--master-port {port} is outside 1..65535")
+    if args.rdzv_id == "none":  # one id for the job, not one per host (its run id, its logs)
+        args = argparse.Namespace(**{**vars(args), "rdzv_id": uuid.uuid4().hex[:12]})
+    node_flags = [
+        "--nnodes", str(len(hosts)),
+        "--nproc-per-node", str(nproc),
+        "--master-addr", hosts[0].name,
+        "--master-port", str(port),
+        *forwarded_flags(args, actions),
+        args.script, *args.script_args,
+    ]  # fmt: skip
+    term = args.term_timeout if args.shutdown_timeout is None else args.shutdown_timeout
+    launcher = HostfileLauncher(hosts, nproc, node_flags, forwarded_env(), args.grace_period, term)
+    return launcher.run()

@@ -51,7 +51,7 @@ from tandem.doctor import stragglers
 from tandem.launch.failures import Failure
 from tandem.launch.logfiles import LogPlan
 from tandem.launch.relay import CONSOLE_COLUMNS, CONSOLE_TTY, Console, console_env, relay
-from tandem.launch.rendezvous import ROUND_VARIABLE, Coordinator, Placement, Restart
+from tandem.launch.rendezvous import ROUND_VARIABLE, Attempt, Coordinator, Restart
 
 TAIL_LINES = 30
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
@@ -255,7 +255,7 @@ class Supervisor:
             _say(saved)
         return failure.exit_code()
 
-    def _start(self, attempt: int, restarts: int, placement: Placement) -> None:
+    def _start(self, attempt: int, restarts: int, placement: Attempt) -> None:
         spec = self.spec
         base = dict(os.environ)
         base.pop("TORCHELASTIC_USE_AGENT_STORE", None)

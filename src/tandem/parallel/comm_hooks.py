@@ -1,37 +1,13 @@
-"""Deprecated import path: communication hooks are :mod:`tandem.parallel.ddp.comm_hooks`.
+"""Deprecated import path: this module is :mod:`tandem.parallel.ddp.comm_hooks` now.
 
-``tandem.parallel.comm_hooks`` was documented before DDP's modules became one package
-(:mod:`tandem.parallel.ddp`); it keeps working, with a :class:`DeprecationWarning`, until the
-release after 0.1.
+``tandem.parallel.comm_hooks`` keeps working, with a :class:`DeprecationWarning`, for one release.
 
 Example::
 
-    from tandem.parallel.ddp.comm_hooks import allreduce_hook   # the path to use now
+    import tandem.parallel.ddp.comm_hooks   # the path to use now
 """
 
-from __future__ import annotations
+from tandem._moved import moved
+from tandem.parallel.ddp.comm_hooks import *  # noqa: F403
 
-import warnings
-
-from tandem.parallel.ddp.comm_hooks import (
-    CommHook,
-    GradBucket,
-    allreduce_hook,
-    bf16_compress_hook,
-    fp16_compress_hook,
-)
-
-__all__ = [
-    "CommHook",
-    "GradBucket",
-    "allreduce_hook",
-    "bf16_compress_hook",
-    "fp16_compress_hook",
-]
-
-warnings.warn(
-    "tandem.parallel.comm_hooks moved to tandem.parallel.ddp.comm_hooks; the old path goes away "
-    "in the release after 0.1",
-    DeprecationWarning,
-    stacklevel=2,
-)
+moved("tandem.parallel.comm_hooks", "tandem.parallel.ddp.comm_hooks")

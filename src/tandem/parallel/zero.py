@@ -28,7 +28,7 @@ from torch.optim import Optimizer
 
 from tandem._dist import global_rank, group_rank, group_size, require_process_group
 from tandem._profile import span
-from tandem.doctor import records, steps
+from tandem.doctor import records, step_clock
 from tandem.parallel.replicas import verify_same_parameters
 from tandem.parallel.sharding import assign_owners, owned_indices
 
@@ -156,7 +156,7 @@ class ShardedOptimizer(Optimizer):
             pending.append((owner, tensors, flat, work))
         # Waiting only after all are issued lets the broadcasts of different owners overlap.
         for owner, tensors, flat, work in pending:
-            with steps.waiting:  # the time this rank waits for the owners
+            with step_clock.waiting:  # the time this rank waits for the owners
                 records.wait(work)
             if owner == self.rank:
                 continue

@@ -35,9 +35,8 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-import tandem
 from tandem.checkpoint.checkpointer import Checkpointer, check_writable
-from tandem.doctor import steps
+from tandem.doctor import step_clock
 from tandem.doctor import trace as tracing
 from tandem.parallel.engine import make_engine
 from tandem.train import arguments
@@ -54,6 +53,7 @@ from tandem.train.requests import Agreement
 from tandem.train.run_state import RunState
 from tandem.train.step import StepFn, Update, check_clip, make_steps
 from tandem.train.step_log import RunLog, lr_of
+from tandem.world import init
 
 PrecisionName = Literal["32-true", "bf16-mixed", "fp16-mixed", "bf16-true"]
 
@@ -258,10 +258,10 @@ class Trainer(Boundaries):
         arguments.check_callables(optimizer, scheduler, loss_fn, training_step, eval_step)
         self.clip_grad_norm = check_clip(clip_grad_norm)
 
-        self.world = tandem.init()  # a no-op when the script already called it
+        self.world = init()  # a no-op when the script already called it
         mode, scaler = resolve_precision(precision, scaler, model, self.world.device)
         self.trace = tracing.start(trace) if trace is not None else None
-        self._steps = steps.clock("tandem.Trainer optimizer steps", priority=0)
+        self._steps = step_clock.clock("tandem.Trainer optimizer steps", priority=0)
         self.run_dir = Path(run_dir)
         self.loss_fn = loss_fn
         self.scheduler_interval = scheduler_interval

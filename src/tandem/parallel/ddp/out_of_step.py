@@ -42,7 +42,7 @@ from typing import Any
 import torch.distributed as dist
 
 from tandem._dist import global_ranks, group_size
-from tandem.doctor import hang, mismatch, records, steps
+from tandem.doctor import hang, mismatch, records, step_clock
 
 log = logging.getLogger("tandem.lockstep")
 
@@ -90,7 +90,7 @@ def wait(work: dist.Work, progress: ModelSteps, what: str) -> None:
         # NCCL's own watchdog and the doctor's hang reports watch these collectives instead.
         work.wait()
         return
-    with steps.waiting:  # the time a rank waits for the others, for tandem run's summary
+    with step_clock.waiting:  # the time a rank waits for the others, for tandem run's summary
         _wait(work, progress, what)
 
 

@@ -29,7 +29,7 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from tandem._dist import group_rank, group_size, require_process_group
 from tandem._profile import backward_span, span
 from tandem._tree import map_tensors
-from tandem.doctor import records, steps
+from tandem.doctor import records, step_clock
 from tandem.parallel.ddp.comm_hooks import CommHook
 from tandem.parallel.ddp.join import join as join_context
 from tandem.parallel.ddp.join import training_ranks
@@ -203,7 +203,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.bucket_bytes_cap = max(caps) if bucket_cap_mb_list else caps[-1]
         self.bucket_bytes_cap_list = list(caps) if bucket_cap_mb_list else []
         self._initial_bucket_sizes = _bucket_sizes(self.reducer)  # _get_ddp_logging_data
-        self._steps = steps.clock("tandem.DDP forwards", priority=1)  # for tandem run's summary
+        # The clock of tandem run's exit summary.
+        self._steps = step_clock.clock("tandem.DDP forwards", priority=1)
         if comm_hook is not None:
             self.register_comm_hook(process_group if comm_state is None else comm_state, comm_hook)
 

@@ -36,7 +36,7 @@ from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten
 
 from tandem._profile import OFF, backward_span, recording, span
-from tandem.doctor import records, steps
+from tandem.doctor import records, step_clock
 from tandem.parallel.fsdp.flat import FlatUnit, Reduction
 from tandem.parallel.fsdp.layout import FsdpLayout
 from tandem.parallel.fsdp.precision import MixedPrecisionPolicy
@@ -239,7 +239,7 @@ class Hooks:
             if len(self.pending) <= limit and work is not None and not work.is_completed():
                 return
             if work is not None:
-                with self.span("reduce_scatter_wait", unit), steps.waiting:
+                with self.span("reduce_scatter_wait", unit), step_clock.waiting:
                     records.wait(work)  # on Gloo, a mismatch the doctor finds raises here
             self.pending.pop(0)
             shard = unit.shard
@@ -264,13 +264,13 @@ class Hooks:
         """Whole parameters in ``unit`` now: waits for its prefetch, or all-gathers."""
         tag = records.tagged(f"FSDP all-gather unit {unit.index}")
         # A wait: on a prefetch, or in a blocking all-gather (counted once).
-        with self.span("all_gather", unit), tag, steps.waiting:
+        with self.span("all_gather", unit), tag, step_clock.waiting:
             unit.unshard()
 
     def gather_exact(self, unit: FlatUnit) -> torch.Tensor:
         """``unit``'s whole flat values at the shard's precision (``gathered()``)."""
         tag = records.tagged(f"FSDP all-gather unit {unit.index} (whole values)")
-        with self.span("all_gather", unit), tag, steps.waiting:
+        with self.span("all_gather", unit), tag, step_clock.waiting:
             return unit.gather_exact()
 
     def prefetch(self, unit: FlatUnit, why: str) -> None:

@@ -49,7 +49,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from tandem._dist import group_rank, group_size, require_process_group
-from tandem.doctor import steps
+from tandem.doctor import step_clock
 from tandem.parallel.fsdp import state as fsdp_state
 from tandem.parallel.fsdp.flat import FlatUnit
 from tandem.parallel.fsdp.hooks import Hooks
@@ -165,7 +165,7 @@ class FullyShardedDataParallel(nn.Module):
         # version alone cannot tell stage 2 that its gathered parameters went stale.
         handle = register_optimizer_step_post_hook(_StepWatcher(self))
         weakref.finalize(self, handle.remove)
-        self._steps = steps.clock("tandem.FullyShardedDataParallel forwards", priority=1)
+        self._steps = step_clock.clock("tandem.FullyShardedDataParallel forwards", priority=1)
 
     # -- the layout (read-only) -----------------------------------------------------------------
 

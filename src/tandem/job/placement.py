@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-from tandem.launch.hostlist import expand_hostlist
+from tandem.job.hostlist import expand_hostlist
 
 Source = Literal["torchrun", "slurm", "openmpi", "none"]
 
