@@ -10,7 +10,7 @@ checkpoint, takes them at the same steps as the uninterrupted run did.
 At a step boundary, in this order (so that a checkpoint taken there holds what came before)::
 
     agree       at every log step: one small all-reduce of the ranks' requests and loss sums
-                (tandem.train.requests), waited for; at the other check_every steps the same,
+                (tandem.train.stop_and_save), waited for; at the other check_every steps the same,
                 sent in the background and acted on at the next step boundary
     evaluate    every eval_every steps (exact, tandem.train.evaluation)
     log         every log_every steps: a record of the steps since the last one

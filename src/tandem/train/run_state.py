@@ -15,7 +15,7 @@ the optimizer (the engine's, see :mod:`tandem.parallel.engine`):
 The shared part is :meth:`RunState.state_dict`; the per-rank part (RNG, loss sums) is
 :meth:`RunState.rank_state_dict`, which the checkpointer gathers from every rank and hands back
 with :meth:`RunState.load_rank_state_dicts`. Stop and checkpoint requests
-(:class:`tandem.train.requests.Requests`) live here too, but are never saved: a request is for
+(:class:`tandem.train.stop_and_save.Requests`) live here too, but are never saved: a request is for
 this session.
 
 Resuming at another world size (a run saved by ``W`` processes continued by ``W'``) maps the
@@ -45,7 +45,7 @@ from typing import Any
 from tandem.checkpoint.rng import capture_rng_state, derived_seed, restore_rng_state, seed_rng
 from tandem.data.lookahead import position_vouched
 from tandem.data.sampler import DistributedSampler
-from tandem.train.requests import Requests
+from tandem.train.stop_and_save import Requests
 
 
 class RunState:

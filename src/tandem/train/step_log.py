@@ -4,7 +4,7 @@ Every ``log_every`` optimizer steps rank 0 writes a record of the steps since th
 the loss (the mean over every rank's samples in them, weighted by count as the epoch's loss
 is), the learning rate, the gradient norm, samples/s and tokens/s. Each rank adds its
 micro-batches to its own sums (:meth:`StepWindow.add`); the sums travel to the other ranks in
-the step agreement the Trainer makes anyway (:class:`tandem.train.requests.Requests`, which
+the step agreement the Trainer makes anyway (:class:`tandem.train.stop_and_save.Requests`, which
 the plan schedules at every log step), so logging adds no collective of its own.
 
 A checkpoint may fall between two records (every ``save_every_steps``, a signal's): each

@@ -21,44 +21,69 @@ The per-batch step (precision, scaler, clipping, any batch structure) is
 :class:`tandem.train.run_state.RunState`, and hands both to the
 :class:`tandem.checkpoint.checkpointer.Checkpointer`. A resumed run ends bitwise where the
 uninterrupted run would: :mod:`tandem.train.run_state` says which pieces that takes and why.
+
+The whole class is here, in three parts: the constructor and the loop; what a script reads
+from a Trainer and asks of it (views of the run, ``request_checkpoint``, ``request_stop``,
+``evaluate``); and what happens between two optimizer steps (agree, evaluate, log, save, in the
+plan's order, everything before the step's checkpoint, so a resumed run does exactly what the
+uninterrupted one did after it).
 """
 
 from __future__ import annotations
 
+import os
 import time
-from collections.abc import Callable, Sequence, Sized
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator, Sequence, Sized
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, Literal, cast
 
 import torch
 from torch import nn
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset
 
+from tandem._dist import wait_for_all
+from tandem._profile import span
 from tandem.checkpoint.checkpointer import Checkpointer, check_writable
 from tandem.doctor import step_clock
 from tandem.doctor import trace as tracing
-from tandem.parallel.engine import make_engine
+from tandem.parallel.engine import Engine, make_engine
+from tandem.parallel.fsdp.wrapper import FullyShardedDataParallel
 from tandem.train import arguments
 from tandem.train.arguments import OptimizerArg, SchedulerArg
-from tandem.train.boundaries import Boundaries
-from tandem.train.evaluation import lockstep_forwards
-from tandem.train.loaders import make_loaders
+from tandem.train.evaluation import evaluate, lockstep_forwards
+from tandem.train.loaders import Loaders, make_loaders
 from tandem.train.loggers import LoggerArg, check_loggers
-from tandem.train.metrics_log import Summary
+from tandem.train.metrics_log import Summary, epoch_line, write_metrics
 from tandem.train.plan import RunPlan
 from tandem.train.precision import ScalerState, resolve_precision
 from tandem.train.progress import Progress
-from tandem.train.requests import Agreement
 from tandem.train.run_state import RunState
-from tandem.train.step import StepFn, Update, check_clip, make_steps
-from tandem.train.step_log import RunLog, lr_of
-from tandem.world import init
+from tandem.train.step import BatchStep, StepFn, Update, check_clip, make_steps
+from tandem.train.step_log import RunLog, SavedRun, lr_of
+from tandem.train.stop_and_save import Decision
+from tandem.world import World, init
 
 PrecisionName = Literal["32-true", "bf16-mixed", "fp16-mixed", "bf16-true"]
 
 
-class Trainer(Boundaries):
+def eval_line(step: int, metrics: dict[str, Any]) -> str:
+    """Rank 0's printed line for an evaluation every N steps.
+
+    Example::
+
+        >>> eval_line(200, {"eval_loss": 0.5, "eval_accuracy": 0.875, "eval_ppl": None})
+        'step    200  eval loss 0.5000  eval accuracy 0.8750'
+    """
+    shown = "  ".join(
+        f"{name.replace('_', ' ')} {value:.4f}"
+        for name, value in metrics.items()
+        if value is not None
+    )
+    return f"step {step:6d}  {shown}"
+
+
+class Trainer:
     """Train a model data-parallel: the same script on one process, one machine or many nodes.
 
     Calls ``tandem.init()`` (nothing happens if the script already has). With more than one
@@ -193,6 +218,28 @@ class Trainer(Boundaries):
         summary = trainer.train()
         tandem.shutdown()
     """
+
+    # Set by the constructor, and by train().
+    world: World
+    run_dir: Path
+    plan: RunPlan
+    log: RunLog
+    grad_accum_steps: int
+    trace: Path | None
+    engine: Engine
+    scheduler: Any
+    state: RunState
+    checkpointer: Checkpointer
+    loaders: Loaders
+    eval_loader: DataLoader | None
+    _update: Update
+    _scaler_state: ScalerState | None
+    _eval_step: BatchStep
+    _eval_forwards: int | None
+    progress: Progress
+    scheduler_interval: str
+    _lr: float | None
+    _segment_start: float  # when the epoch's clock last counted (monotonic)
 
     def __init__(
         self,
@@ -348,7 +395,7 @@ class Trainer(Boundaries):
         self.optimizer.zero_grad()
         run.start_session()
         run.requests.discard()  # one an earlier train() sent before it raised
-        stopped: Agreement | None = None
+        stopped: Decision | None = None
         with run.requests.signals():
             while not plan.finished(epoch=run.epoch, step=run.step) and stopped is None:
                 stopped = self._run_epoch(plan)
@@ -364,7 +411,7 @@ class Trainer(Boundaries):
         self._finish()
         return self._summary(stopped.reason if stopped else None)
 
-    def _run_epoch(self, plan: RunPlan) -> Agreement | None:
+    def _run_epoch(self, plan: RunPlan) -> Decision | None:
         """Run what is left of the epoch in progress, and its end if it gets there; return
         the agreement that stopped the run, else None."""
         run = self.state
@@ -407,3 +454,313 @@ class Trainer(Boundaries):
             self.scheduler.step()
         self.state.step += 1
         self._steps.tick()
+
+    # -- what a script reads from a Trainer, and asks of it ----------------------------------------
+
+    @property
+    def model(self) -> nn.Module:
+        """The model as forward calls it: tandem.DDP, FSDP, or the plain module (one rank)."""
+        return self.engine.model
+
+    @property
+    def module(self) -> nn.Module:
+        """The user's module, unwrapped."""
+        return self.engine.module
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer the Trainer steps (built by the factory, if one was given)."""
+        return self.engine.optimizer
+
+    @property
+    def epoch(self) -> int:
+        """Epochs completed (the index of the epoch in progress)."""
+        return self.state.epoch
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps taken."""
+        return self.state.step
+
+    @property
+    def total_steps(self) -> int:
+        """Optimizer steps of the whole run: ``max_steps``, or ``max_epochs`` x the steps of an
+        epoch (its batches over ``grad_accum_steps``, rounded up), whichever is fewer.
+
+        A resumed run's total counts the steps already taken (at another world size the steps
+        of an epoch change, and so does the total). See :mod:`tandem.train.plan`.
+
+        Example::
+
+            schedule = warmup_cosine(warmup=100, total=trainer.total_steps)
+        """
+        return self._total_steps(self.plan)
+
+    def _total_steps(self, plan: RunPlan) -> int:
+        run = self.state
+        return plan.total_steps(
+            step=run.step,
+            epoch=run.epoch,
+            batch=run.batch,
+            per_epoch=len(self.loaders.train),
+            accum=self.grad_accum_steps,
+        )
+
+    @property
+    def history(self) -> list[dict[str, Any]]:
+        """One record per completed epoch (what ``metrics.jsonl`` holds)."""
+        return self.state.history
+
+    @property
+    def last_checkpoint(self) -> Path | None:
+        """The newest checkpoint this run wrote or resumed from."""
+        return self.state.last_checkpoint
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps the fp16 GradScaler skipped (inf/nan gradients) in this run, resumed
+        sessions included; 0 with any other precision. :attr:`step` counts them too."""
+        return self._scaler_state.skipped_steps if self._scaler_state is not None else 0
+
+    @property
+    def last_grad_norm(self) -> float | None:
+        """The global gradient norm of the last optimizer step, before clipping (None without
+        ``clip_grad_norm``); inf or nan on a step the fp16 scaler skipped."""
+        return self._update.last_grad_norm
+
+    @property
+    def last_step_metrics(self) -> dict[str, float]:
+        """This rank's last optimizer step: ``"loss"`` and the training step's metrics, means
+        over its micro-batches weighted by their counts (not yet averaged over ranks)."""
+        return self._update.last_metrics
+
+    def elapsed_seconds(self) -> float:
+        """Seconds spent in ``train()`` by this run, over all its sessions (resumes)."""
+        return self.state.elapsed_seconds()
+
+    def request_checkpoint(self) -> None:
+        """Ask for a checkpoint at the next step boundary, as SIGUSR1 does (any rank may ask).
+
+        Example::
+
+            if step_time > limit:
+                trainer.request_checkpoint()
+        """
+        self.state.requests.checkpoint()
+
+    def request_stop(self) -> None:
+        """Ask every rank to save and stop at the next step boundary, as SIGTERM does.
+
+        Example::
+
+            if time.time() > deadline:
+                trainer.request_stop()
+        """
+        self.state.requests.stop()
+
+    def evaluate(self) -> dict[str, float | None]:
+        """Exact evaluation of ``eval_data`` over all ranks (call on every rank).
+
+        Returns:
+            ``{"eval_loss": mean loss, "eval_accuracy": accuracy or None}`` and ``eval_NAME``
+            for every metric an ``eval_step`` returns, equal to one process's on the whole set
+            (see :mod:`tandem.train.evaluation`).
+
+        Example::
+
+            metrics = trainer.evaluate()
+        """
+        if self.eval_loader is None:
+            raise ValueError("evaluate() needs eval_data; this Trainer was built without it")
+        batches = self.loaders.eval_batches(self.state.epoch)
+        # Replicated engines evaluate the plain module (no collectives, so the ranks' unequal
+        # shards are fine); an FSDP wrapper gathers its units in forward, in lock step.
+        sharded = isinstance(self.model, FullyShardedDataParallel)
+        model = self.model if sharded else self.module
+        return evaluate(model, batches, self._eval_step, forwards=self._eval_forwards)
+
+    def _summary(self, stopped_by: str | None) -> Summary:
+        """What ``train()`` returns: the run so far, its last epoch's metrics."""
+        run = self.state
+        last = run.history[-1] if run.history else {}
+        return Summary(
+            epochs=run.epoch,
+            steps=run.step,
+            train_loss=last.get("train_loss"),
+            eval_loss=last.get("eval_loss"),
+            eval_accuracy=last.get("eval_accuracy"),
+            stopped_by=stopped_by,
+            checkpoint=run.last_checkpoint,
+            history=list(run.history),
+        )
+
+    def _stateful(self) -> dict[str, Any]:
+        # The scaler's entry also holds the skipped steps (see precision.ScalerState); the
+        # run's, the step log's window (see step_log.SavedRun).
+        run = SavedRun(self.state, self.log.window, world_size=self.world.world_size)
+        return {"trainer": run, "scheduler": self.scheduler, "scaler": self._scaler_state}
+
+    def _resume(self, resume: str | Path) -> None:
+        path = self.checkpointer.resume(self.engine, self._stateful(), resume)
+        if path is None:
+            return
+        state = self.state
+        state.last_checkpoint = path
+        if self.world.is_main:
+            # Drop the lines of epochs after the checkpoint (a resume from an older one).
+            write_metrics(self.run_dir, state.history)
+            saved, now = state.saved_world_size, self.world.world_size
+            moved = (
+                f" (written by {saved} processes, now {now}: the rest of the epoch is dealt "
+                "anew; not bitwise)"
+                if saved is not None and saved != now
+                else ""
+            )
+            print(
+                f"resumed from {path}: epoch {state.epoch + 1}, batch {state.batch}, "
+                f"step {state.step}{moved}",
+                flush=True,
+            )
+
+    def _save(self) -> None:
+        run = self.state
+        with span("tandem.train.checkpoint", f"epoch {run.epoch} step {run.step}"):
+            run.last_checkpoint = self.checkpointer.save(
+                self.engine, self._stateful(), epoch=run.epoch, step=run.step
+            )
+
+    def _finish(self) -> None:
+        """``train()`` ends: rank 0's loggers flushed and plot drawn, every rank's trace, and
+        a barrier, so that every rank leaves once rank 0's files are written."""
+        self.log.finish(self.state.history)
+        # The barrier comes last: it carries no Python tensors. A Gloo worker thread that
+        # drops the last reference to a Python tensor while the interpreter exits (a script
+        # ending right after train()) aborts the process ("terminate called without an active
+        # exception").
+        if self.trace is not None:
+            tracing.flush()  # every rank's file is written before the barrier; rank 0 merges
+        wait_for_all()
+        if self.trace is not None and self.world.is_main:
+            tracing.merge(self.trace, os.environ.get("TORCHELASTIC_RUN_ID"))
+
+    # -- between two optimizer steps: agree, evaluate, log, save, as planned --------------------
+
+    def _clock_in(self) -> None:
+        """Add the time since the clock last counted to the epoch's and the log window's.
+
+        They count the epoch's loop, agreements and logging included (the samples/s shown
+        are what the run achieves); evaluation and checkpoints are off the clock.
+        """
+        now = time.monotonic()
+        self.state.epoch_seconds += now - self._segment_start
+        self.log.window.seconds += now - self._segment_start
+        self._segment_start = now
+
+    @contextmanager
+    def _off_the_clock(self) -> Iterator[None]:
+        self._clock_in()
+        try:
+            yield
+        finally:
+            self._segment_start = time.monotonic()
+
+    def _step_boundary(self, plan: RunPlan) -> Decision | None:
+        """After an optimizer step inside an epoch; the agreement acted on here, if any.
+
+        What the ranks agreed for this boundary is acted on here (a stop or a save): the
+        requests an earlier step's backward carried, or the agreement sent at the previous one;
+        a log step also agrees at once, as its record needs this step's sums; without an engine
+        that carries them, the other steps the plan checks send theirs in the background, to be
+        read at the next one.
+        """
+        run = self.state
+        agreed = run.requests.collect()
+        loss, rate = None, None
+        if agreed is not None and agreed.sums:  # the loss at the previous step: for the bar
+            total, count, seconds = agreed.sums[:3]
+            loss = total / count if count else None
+            rate = count / seconds if seconds > 0 else None
+        if plan.logs_at(run.step):
+            now = run.requests.agree([*run.epoch_loss, *self.log.window.sums()])
+            agreed = now if agreed is None else agreed.then(now)
+            self._clock_in()
+            total, count = now.sums[:2]
+            loss = total / count if count else None
+            rate = count / run.epoch_seconds if run.epoch_seconds > 0 else None
+        elif (
+            plan.agrees_at(run.step)
+            and not run.requests.riding  # the engine's collective carried them already
+            and not (agreed is not None and agreed.stop)
+            and not plan.finished(epoch=run.epoch, step=run.step)
+        ):
+            self._clock_in()
+            run.requests.send([*run.epoch_loss, run.epoch_seconds])
+        evaluated = {}
+        if plan.evaluates_at(run.step):
+            with self._off_the_clock():
+                evaluated = self.evaluate()
+            if self.world.is_main:
+                self.progress.write(eval_line(run.step, evaluated))
+        self._log_step(plan, agreed, evaluated)
+        self.progress.advance(1, batch=run.batch, loss=loss, samples_per_s=rate)
+        if (agreed is not None and agreed.save) or plan.saves_at(run.step):
+            with self._off_the_clock():
+                self._save()
+        return agreed
+
+    def _end_epoch(self, plan: RunPlan) -> Decision | None:
+        """The epoch's last step boundary: its record and evaluation, the step's log, the save;
+        the agreement if it stops the run, else None."""
+        run = self.state
+        sent = run.requests.collect(everything=True)
+        agreed = run.requests.agree([*run.epoch_loss, *self.log.window.sums()])
+        total, count = agreed.sums[:2]
+        agreed = agreed if sent is None else sent.then(agreed)
+        record: dict[str, Any] = {"epoch": run.epoch + 1, "step": run.step}
+        record["train_loss"] = total / count
+        evaluated = self.evaluate() if self.eval_loader is not None else {}
+        record.update(evaluated)
+        seconds = run.epoch_seconds
+        record["samples_per_s"] = count / seconds if seconds > 0 else None
+        record["epoch_s"] = seconds
+        record["elapsed_s"] = run.elapsed_seconds()
+        self._log_step(plan, agreed, evaluated)
+        self.progress.advance(
+            1, batch=run.batch, loss=record["train_loss"], samples_per_s=record["samples_per_s"]
+        )
+        run.end_epoch(record)
+        if self.scheduler is not None and self.scheduler_interval == "epoch":
+            self.scheduler.step()
+        if self.world.is_main:
+            write_metrics(self.run_dir, run.history)
+            self.progress.write(epoch_line(record))
+        finished = plan.finished(epoch=run.epoch, step=run.step)
+        if agreed.save or plan.saves_at(run.step) or plan.saves_after_epoch(run.epoch) or finished:
+            self._save()
+        return agreed if agreed.stop else None
+
+    def _log_step(
+        self,
+        plan: RunPlan,
+        agreed: Decision | None,
+        evaluated: dict[str, Any],
+    ) -> None:
+        """The step's record, if the plan logs it, with the evaluation's results if any."""
+        run = self.state
+        epoch = run.epoch + run.batch / len(self.loaders.train)  # epochs done, a fraction
+        record: dict[str, Any] = {}
+        if plan.logs_at(run.step):
+            assert agreed is not None, "the plan agrees at every log step"
+            record = self.log.window.record(
+                agreed.sums[2:],
+                epoch=epoch,
+                lr=self._lr,
+                grad_norm=self.last_grad_norm,
+                skipped_steps=self.skipped_steps if self._scaler_state is not None else None,
+                elapsed_s=run.elapsed_seconds(),
+            )
+            self.log.window.reset()  # every rank: the next record's steps start here
+        if evaluated:
+            record = {"epoch": epoch, **record, **evaluated}
+        if record:
+            self.log.write(record, run.step)

@@ -1,12 +1,21 @@
-"""Bucket layout: which gradients travel together in one all-reduce. Pure: no communication.
+"""Which gradients travel together in one all-reduce, and the caps that decide it. Pure: no
+communication.
 
 A bucket is one flat buffer holding the gradients of several parameters of the same dtype and
 device. Reducing a few large buffers costs far less than many small ones (each collective has a
 fixed latency), and a bucket can be sent as soon as its last gradient is ready, while backward is
 still computing the gradients of earlier layers: that is where the overlap comes from.
 
+The rules are torch's, so that both engines sum the same numbers in the same groups: the caps of
+each dtype's first, second, ... bucket (``bucket_caps``), buckets closed once full in the order
+gradients are expected (``assign_buckets``), the cut of a model's parameters (``cut_buckets``),
+and a buffer per bucket with a view per parameter (``build_buckets``). When the buckets are cut
+and rebuilt is the reducer's business: :mod:`tandem.parallel.ddp.reducer`.
+
 Example::
 
+    >>> bucket_caps(None, None)  # torch's defaults: 1 MiB first, then 25 MiB, in bytes
+    [1048576, 26214400]
     >>> layout = assign_buckets(
     ...     sizes=[400, 400, 400, 400], keys=["f32"] * 4, order=[3, 2, 1, 0],
     ...     cap_bytes=1000, first_cap_bytes=500)
@@ -16,12 +25,47 @@ Example::
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 MIB = 1024 * 1024
+DEFAULT_BUCKET_MB = 25.0
+# With the default cap the first rebuilt bucket is small, so that the first all-reduce starts
+# early in backward; an explicit bucket_cap_mb applies to every bucket (torch's rule).
+DEFAULT_FIRST_BUCKET_MB = 1.0
+
+
+def bucket_caps(
+    bucket_cap_mb: float | None,
+    first_bucket_cap_mb: float | None,
+    bucket_cap_mb_list: Sequence[float] | None = None,
+) -> list[int]:
+    """The caps in bytes of each dtype's first, second, ... bucket, the last one repeated.
+
+    torch's rule: ``[1 MiB, 25 MiB]`` by default, ``[cap, cap]`` for an explicit
+    ``bucket_cap_mb``, or ``bucket_cap_mb_list`` as given (``bucket_cap_mb`` is then ignored,
+    as in torch). ValueError for a cap that is not positive.
+    """
+    if bucket_cap_mb_list:
+        if first_bucket_cap_mb is not None:
+            raise ValueError(
+                f"bucket_cap_mb_list={list(bucket_cap_mb_list)} and first_bucket_cap_mb="
+                f"{first_bucket_cap_mb} both set the first bucket's cap: pass one of them"
+            )
+        named = [(f"bucket_cap_mb_list[{k}]", mb) for k, mb in enumerate(bucket_cap_mb_list)]
+    else:
+        cap_mb = DEFAULT_BUCKET_MB if bucket_cap_mb is None else bucket_cap_mb
+        if first_bucket_cap_mb is None:
+            first_bucket_cap_mb = DEFAULT_FIRST_BUCKET_MB if bucket_cap_mb is None else cap_mb
+        named = [("first_bucket_cap_mb", first_bucket_cap_mb), ("bucket_cap_mb", cap_mb)]
+    for name, mb in named:
+        if not mb > 0:
+            raise ValueError(f"{name}={mb} must be a positive number of MiB")
+    # At least one byte: a tiny cap means one parameter per bucket, not an invalid cap.
+    return [max(1, int(mb * MIB)) for _, mb in named]
 
 
 def assign_buckets(
@@ -81,6 +125,30 @@ def assign_buckets(
     done.extend(bucket for bucket in open_buckets.values() if bucket)
     done.sort(key=lambda bucket: position[bucket[0]])
     return done
+
+
+def cut_buckets(
+    params: Sequence[torch.Tensor],
+    order: Sequence[int],
+    caps: Sequence[int],
+    reverse: bool = False,
+    one_bucket: bool = False,
+) -> list[list[int]]:
+    """The buckets of ``params`` (indices, in launch order) for gradients ready in ``order``.
+
+    ``caps`` as from ``bucket_caps``; ``reverse`` launches the buckets in the reverse order of
+    the cut, and ``one_bucket`` puts each dtype and device in a single bucket (torch's layout
+    before the ready order is known).
+    """
+    # Cut in registration order and reversed (initially): gradients arrive roughly in
+    # reverse, and the small first-cut bucket then holds the first layers, whose gradients
+    # come last, so the all-reduce left after backward is a short one.
+    sizes = [p.numel() * p.element_size() for p in params]
+    keys = [(p.dtype, p.device) for p in params]
+    if one_bucket:
+        return list(reversed(assign_buckets(sizes, keys, order, sys.maxsize, sys.maxsize)))
+    layout = assign_buckets(sizes, keys, order, caps[-1], caps[0], caps=caps)
+    return list(reversed(layout)) if reverse else layout
 
 
 @dataclass(eq=False)

@@ -1,4 +1,4 @@
-"""The gradient reducer behind tandem.DDP: hooks, bucket launches, and the end of backward.
+"""tandem.DDP's gradient reducer: hooks, buckets (cut, rebuilt, saved), launches, end of backward.
 
 One iteration, as the reducer sees it:
 
@@ -32,34 +32,45 @@ spare one: a gradient the user keeps is never written into. Small gradients are 
 in one call per bucket. Under a communication hook, and with gradient_as_bucket_view, the
 buffers stay the bucket's.
 
-Buckets follow torch's rules (one bucket at first, rebuilt once in the order gradients became
-ready, saved in the state): :mod:`tandem.parallel.ddp.reducer_layout`. ``static_graph`` follows
-torch's meaning: the first backward counts how many times each parameter's hook fires and
-reduces everything at its end; later backwards launch a parameter's bucket after its last
-expected gradient.
+Buckets follow torch's rules so that both engines sum the same numbers in the same groups: the
+first backward runs with one bucket per dtype and device (the ready order is unknown), then the
+buckets are rebuilt once in the order the gradients really became ready (rank 0's order,
+broadcast). With find_unused_parameters the graph may change every step: the buckets are cut
+from the start and never rebuilt. The learnt layout is part of the reducer's state, so that a
+resumed run reduces in the same buckets as the uninterrupted one. The layout rules themselves
+(caps, cuts, buffers) are pure: :mod:`tandem.parallel.ddp.buckets`.
+
+``static_graph`` follows torch's meaning: the first backward counts how many times each
+parameter's hook fires and reduces everything at its end; later backwards launch a parameter's
+bucket after its last expected gradient.
+
+Example::
+
+    reducer.state_dict()             # {"rebuilt": True, "layout": [[5, 4], [3, 2, 1, 0]], ...}
 """
 
 from __future__ import annotations
 
 import enum
+import logging
 from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._utils import _unflatten_dense_tensors
 from torch.autograd import Variable
 from torch.autograd.function import BackwardCFunction
 
 from tandem import _tree
-from tandem._dist import group_size
+from tandem._dist import global_rank, group_size
 from tandem._profile import span
 from tandem.doctor import records
 from tandem.parallel.ddp import out_of_step
-from tandem.parallel.ddp.buckets import Bucket
+from tandem.parallel.ddp.buckets import Bucket, bucket_caps, build_buckets, cut_buckets
 from tandem.parallel.ddp.comm_hooks import CommHook, GradBucket, completed, issues_one_collective
 from tandem.parallel.ddp.end_of_backward import EndOfBackward
-from tandem.parallel.ddp.reducer_layout import ReducerLayout, bucket_caps
 
 # A gradient of at least this many elements is copied into its bucket as soon as it is ready,
 # the division fused (one pass, while the gradient is still in cache: the copy is memory-bound),
@@ -67,6 +78,20 @@ from tandem.parallel.ddp.reducer_layout import ReducerLayout, bucket_caps
 # their bucket is full and back when it is done, in one call per bucket (their cost is the
 # call, not the memory).
 LARGE_GRADIENT = 16384
+
+# Whether a buffer's storage is still shared by a tensor other than the bucket's own (torch's
+# count of the tensors that share a storage; without it, buffers are never handed over).
+CAN_HAND_OVER = hasattr(torch._C, "_storage_Use_Count")
+
+
+log = logging.getLogger("tandem.parallel.ddp.reducer")
+
+
+def _unreferenced(flat: torch.Tensor, views: list[torch.Tensor]) -> bool:
+    # The storage is shared by flat, by each of its views, and by the storage object this
+    # query makes: any more is somebody else's tensor (a gradient handed over, or one made
+    # from it).
+    return torch._C._storage_Use_Count(flat.untyped_storage()._cdata) == len(views) + 2
 
 
 class Phase(enum.Enum):
@@ -77,7 +102,7 @@ class Phase(enum.Enum):
     REDUCE = "reduce"  # fill buckets and launch them
 
 
-class Reducer(ReducerLayout):
+class Reducer:
     """Averages the gradients of ``params`` across ``group`` during backward.
 
     Example::
@@ -136,11 +161,12 @@ class Reducer(ReducerLayout):
         self.eager = [p.numel() >= LARGE_GRADIENT and not self.batched for p in self.params]
         self.rebuilt = self.find_unused
         self.ready_order: list[int] = []
+        everything = list(range(len(self.params)))
         if self.find_unused or bucket_cap_mb_list:
             # (torch cuts the first buckets by bucket_cap_mb_list too, whatever the mode)
-            self._install(self._layout(list(range(len(self.params))), reverse=True))
+            self._install(cut_buckets(self.params, everything, self.caps, reverse=True))
         else:
-            self._install(self._layout(list(range(len(self.params))), one_bucket=True))
+            self._install(cut_buckets(self.params, everything, self.caps, one_bucket=True))
         for i, p in enumerate(self.params):
             p.register_post_accumulate_grad_hook(partial(self._on_grad, i))
 
@@ -550,6 +576,153 @@ class Reducer(ReducerLayout):
         """
         self.replaced.clear()
         self.end_of_backward.check_previous_step()
+
+    # -- buckets: installed, handed over as .grad, rebuilt once, saved --------------------
+
+    def _install(self, layout: list[list[int]]) -> None:
+        self.buckets: list[Bucket] = build_buckets(layout, self.params)
+        self.has_eager = [any(self.eager[i] for i in b.params) for b in self.buckets]
+        self.bucket_of = [self.buckets[0]] * len(self.params) if self.buckets else []
+        self.views: list[torch.Tensor] = [torch.empty(0)] * len(self.params)
+        for bucket in self.buckets:
+            for slot, i in enumerate(bucket.params):
+                self.bucket_of[i] = bucket
+                self.views[i] = bucket.views[slot]
+        if self.as_view:
+            for i, p in enumerate(self.params):
+                if p.grad is not None:
+                    self.views[i].copy_(p.grad)
+                    p.grad = self.views[i]
+
+    def _reclaim(self, bucket: Bucket) -> None:
+        """Before a backward, for a bucket whose buffer the parameters took as their gradients:
+        keep it if no gradient of it is held any more (``zero_grad`` set them to None), else
+        take the bucket's spare buffer if that one is free, else a new one; the buffer still
+        held becomes the spare. A gradient a user keeps is never written into."""
+        bucket.handed_over = False
+        if _unreferenced(bucket.flat, bucket.views):
+            return
+        spare = bucket.spare
+        bucket.spare = (bucket.flat, bucket.views)
+        if spare is not None and _unreferenced(*spare):
+            bucket.flat, bucket.views = spare
+        else:
+            bucket.flat = torch.empty_like(bucket.flat)  # every slot is written before the sum
+            params = [self.params[i] for i in bucket.params]
+            bucket.views = list(_unflatten_dense_tensors(bucket.flat, params))  # one C++ call
+        for i, view in zip(bucket.params, bucket.views, strict=True):
+            self.views[i] = view
+
+    def _write_back_bucket(self, bucket: Bucket) -> None:
+        """``_write_back`` of one bucket's parameters, without a used map."""
+        if not self.as_view and not self.has_eager[bucket.index]:
+            # The common case for small gradients: one call, no loop over the parameters here.
+            maybe = [self.params[i].grad for i in bucket.params]
+            grads = [g for g in maybe if g is not None]
+            if len(grads) == len(maybe):
+                torch._foreach_copy_(grads, bucket.views)
+                return
+        self._write_back(bucket.params, None)
+
+    def _write_back(self, indices: Sequence[int], used: list[bool] | None) -> None:
+        """Give parameters ``indices`` their mean gradient (``used``: which were used on some
+        rank; the others keep their ``.grad`` as it is, as under torch's DDP).
+
+        A large gradient takes its slot of the bucket as it is (see the module doc); small ones
+        are copied, in one call.
+        """
+        grads, means = [], []
+        hand_over = CAN_HAND_OVER and self.hook is None and not self.as_view
+        for i in indices:
+            p, view = self.params[i], self.views[i]
+            if used is not None:
+                if not used[i]:
+                    continue  # used on no rank: .grad left as it is (None stays None)
+            elif p.grad is None:
+                continue
+            if p.grad is view:
+                continue  # gradient_as_bucket_view: already there
+            if self.as_view:
+                p.grad = view
+            elif hand_over and self.eager[i]:
+                if p.grad is not None:
+                    self.replaced.append(p.grad)  # freed at the next forward (see start_step)
+                p.grad = view.view_as(view)  # a tensor of its own: see _reclaim
+                self.bucket_of[i].handed_over = True
+            elif p.grad is None:  # unused here but used on another rank: step with the mean
+                p.grad = view.clone()
+            else:
+                grads.append(p.grad)
+                means.append(view)
+        if grads:
+            torch._foreach_copy_(grads, means)  # one call, not one per parameter
+
+    @property
+    def layout(self) -> list[list[int]]:
+        """Parameter indices per bucket, in launch order."""
+        return [list(b.params) for b in self.buckets]
+
+    def state_dict(self) -> dict[str, Any]:
+        """The bucket order learnt so far: a resumed run then builds the same buckets.
+
+        Example::
+
+            state = ddp.reducer.state_dict()     # saved in a checkpoint
+            fresh.reducer.load_state_dict(state)
+        """
+        return {"rebuilt": self.rebuilt, "layout": self.layout, "ready_order": self.ready_order}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Take the buckets of a saved run (see ``state_dict``)."""
+        layout = [list(b) for b in state["layout"]]
+        if sorted(i for b in layout for i in b) != list(range(len(self.params))):
+            raise ValueError(
+                f"the saved bucket layout covers {sum(len(b) for b in layout)} parameters, this "
+                f"model has {len(self.params)}: load the state of the same model"
+            )
+        self.rebuilt = bool(state["rebuilt"])
+        self.ready_order = list(state["ready_order"])
+        if layout != self.layout:
+            self._install(layout)
+
+    def rebuild(self) -> bool:
+        """Once, before a forward: re-bucket in the order gradients became ready.
+
+        Rank 0's observed order is broadcast, because every rank must build identical buckets
+        and hook timing can differ between ranks.
+        """
+        if self.rebuilt or len(self.ready_order) == 0:
+            return False
+        self.rebuilt = True
+        seen = set(self.ready_order)
+        # Parameters that got no gradient (static_graph's unused) go last in index order, where
+        # torch appends them: the same buckets, so the same sums in Gloo's ring, bit for bit.
+        order = self.ready_order + [i for i in range(len(self.params)) if i not in seen]
+        if self.world_size > 1:
+            t = torch.tensor(order, dtype=torch.int64, device=self.params[0].device)
+            with records.tagged(f"DDP bucket rebuild, step {self.progress.step}"):
+                work = dist.broadcast(
+                    t, src=global_rank(self.group, 0), group=self.group, async_op=True
+                )
+            self.wait(work, "bucket rebuild broadcast")
+            order = t.tolist()
+        layout = cut_buckets(self.params, order, self.caps)
+        if layout == self.layout:
+            log.debug("bucket rebuild: the learnt order gives the same %d bucket(s)", len(layout))
+            return False
+        self._install(layout)
+        log.debug(
+            "buckets rebuilt in the order gradients became ready: %d bucket(s) of %s parameters",
+            len(layout), [len(b) for b in layout],
+        )  # fmt: skip
+        return True
+
+    def _recording(self) -> bool:
+        # torch learns the order from the first backward that reduces bucket by bucket: the
+        # first one, or with static_graph the second (the first reduces everything at its end).
+        if self.rebuilt:
+            return False
+        return not self.static_graph or self.backwards == 1
 
 
 def _reachable_params(outputs: list[torch.Tensor]) -> tuple[set[int], bool]:

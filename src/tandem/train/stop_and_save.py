@@ -38,7 +38,7 @@ CHECKPOINT_SIGNAL = signal.SIGUSR1
 
 
 @dataclass(frozen=True)
-class Agreement:
+class Decision:
     """What every rank decided at one step boundary (the same on every rank)."""
 
     save: bool  # some rank asked for a checkpoint (or a stop, which saves first)
@@ -46,14 +46,14 @@ class Agreement:
     reason: str | None  # "SIGTERM" if a signal asked to stop, else "request_stop()"
     sums: list[float]  # the caller's extra numbers, summed over ranks
 
-    def then(self, later: Agreement) -> Agreement:
+    def then(self, later: Decision) -> Decision:
         """Both decisions at once (a stop or save in either), with ``later``'s sums.
 
         Example::
 
-            >>> early = Agreement(save=True, stop=False, reason=None, sums=[1.0])
-            >>> early.then(Agreement(save=False, stop=False, reason=None, sums=[2.0]))
-            Agreement(save=True, stop=False, reason=None, sums=[2.0])
+            >>> early = Decision(save=True, stop=False, reason=None, sums=[1.0])
+            >>> early.then(Decision(save=False, stop=False, reason=None, sums=[2.0]))
+            Decision(save=True, stop=False, reason=None, sums=[2.0])
         """
         stop = self.stop or later.stop
         reason = (self.reason or later.reason) if stop else None
@@ -69,11 +69,11 @@ class Requests:
         self._checkpoints = 0
         self._stops_by_call = 0
         self._stops_by_signal = 0
-        self._pending: Callable[[], Agreement] | None = None
+        self._pending: Callable[[], Decision] | None = None
         # Summed by a collective the engine issued: delivered during a step, acted on at the
         # boundary after the next (as a background send's), then ready.
-        self._delivered: Agreement | None = None
-        self._ready: Agreement | None = None
+        self._delivered: Decision | None = None
+        self._ready: Decision | None = None
         self.riding = False  # the engine carries the requests (Trainer: engine.carry(self))
 
     def checkpoint(self) -> None:
@@ -113,7 +113,7 @@ class Requests:
                 # None: the old handler was installed outside Python and cannot be put back.
                 signal.signal(s, signal.SIG_DFL if handler is None else handler)
 
-    def agree(self, extra: Sequence[float] = ()) -> Agreement:
+    def agree(self, extra: Sequence[float] = ()) -> Decision:
         """Every rank's requests (and ``extra`` numbers) summed: one all-reduce, on every rank.
 
         Args:
@@ -129,7 +129,7 @@ class Requests:
         assert self._pending is None, "collect() the agreement sent before sending another"
         self._pending = self._start(extra)
 
-    def collect(self, everything: bool = False) -> Agreement | None:
+    def collect(self, everything: bool = False) -> Decision | None:
         """What the ranks agreed for this boundary, None if nothing: the agreement :meth:`send`
         started at the previous one (waited for if still in flight), and what the engine
         delivered before the previous one. ``everything``: also what it delivered since (the
@@ -165,17 +165,17 @@ class Requests:
         agreed = _decided(checkpoints, by_call, by_signal, sums=[])
         self._delivered = agreed if self._delivered is None else self._delivered.then(agreed)
 
-    def _start(self, extra: Sequence[float]) -> Callable[[], Agreement]:
+    def _start(self, extra: Sequence[float]) -> Callable[[], Decision]:
         result = start_sum_over_ranks([*self.values(), *extra])
 
-        def agreement() -> Agreement:
+        def agreement() -> Decision:
             checkpoints, by_call, by_signal, *sums = result()
             return _decided(checkpoints, by_call, by_signal, sums=sums)
 
         return agreement
 
 
-def _decided(checkpoints: float, by_call: float, by_signal: float, sums: list[float]) -> Agreement:
+def _decided(checkpoints: float, by_call: float, by_signal: float, sums: list[float]) -> Decision:
     stop = by_call + by_signal > 0
     reason = None if not stop else (STOP_SIGNAL.name if by_signal else "request_stop()")
-    return Agreement(save=stop or checkpoints > 0, stop=stop, reason=reason, sums=sums)
+    return Decision(save=stop or checkpoints > 0, stop=stop, reason=reason, sums=sums)
