@@ -99,7 +99,6 @@ from torch import nn
 
 from tandem import _dist
 from tandem._dist import from_rank0
-from tandem.checkpoint.entries import unwrap
 from tandem.checkpoint.export import export_file as _export_file
 from tandem.checkpoint.export import strip_wrapper_prefixes, write_safetensors
 from tandem.checkpoint.phases import (
@@ -124,8 +123,8 @@ from tandem.checkpoint.rng import (
 )
 from tandem.checkpoint.run_dir import CheckpointError
 from tandem.checkpoint.sealed import API_FORMAT, write_checkpoint_file
+from tandem.parallel.adapters import model_state
 from tandem.parallel.engine import Engine, Kind
-from tandem.parallel.fsdp.wrapper import FullyShardedDataParallel
 
 __all__ = ["KINDS", "RNG", "CheckpointError", "Kind", "export_weights", "load", "save"]
 
@@ -329,14 +328,8 @@ def export_weights(
         return _export_file(source, out, key=key).out
     out = Path(out)
     # A collective: every rank joins the gather of a sharded model; rank 0 writes.
-    if isinstance(source, Engine):
-        weights = source.plain_weights(0)
-    else:
-        target, _ = unwrap(source)
-        if isinstance(target, FullyShardedDataParallel):
-            weights = target.full_state_dict(0)
-        else:
-            weights = target.state_dict() if _dist.group_rank() == 0 else None
+    state = source.model_state if isinstance(source, Engine) else model_state(source)
+    weights = state.plain_weights(0)
     verdict: tuple[str | None, str | None] = (None, None)
     if weights is not None:
         try:

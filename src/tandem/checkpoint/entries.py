@@ -29,6 +29,10 @@ another world size each rank cuts its part anew from the saved parts overlapping
 An optimizer over an FSDP model's shards needs that model in the same state dict: its full
 state names the plain module's parameters, which only the model can map the shards onto.
 
+How each wrapper's state is saved, checked, loaded and resharded is not written here: every
+model and optimizer entry holds its wrapper's adapter (:mod:`tandem.parallel.adapters`), the
+same one the engines use, so this module never asks which wrapper it holds.
+
 Example::
 
     entries = classify({"model": model, "optimizer": opt, "step": 12})
@@ -45,39 +49,10 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from tandem.checkpoint.fit import check_model, check_optimizer
-from tandem.checkpoint.shards import reshard, reshard_model, reshard_optimizer
-from tandem.parallel.ddp.wrapper import DistributedDataParallel
-from tandem.parallel.dp.wrapper import DataParallel
-from tandem.parallel.engine import Engine, Kind, ShardedEngine
-from tandem.parallel.fsdp.wrapper import FullyShardedDataParallel
-from tandem.parallel.zero import ShardedOptimizer
+from tandem.parallel.adapters import ModelState, OptimizerState, model_state, optimizer_state
+from tandem.parallel.engine import Engine, Kind
 
-FSDP = FullyShardedDataParallel
 _PLAIN_SCALARS = (type(None), bool, int, float, complex, str, bytes, torch.Tensor)
-
-
-def unwrap(model: nn.Module) -> tuple[nn.Module, Any]:
-    """The module whose state a checkpoint holds, and tandem.DDP's reducer if it was wrapped.
-
-    Wrappers that only prefix the keys (tandem.DDP, DataParallel, torch's DDP, torch.compile)
-    are taken off; an FSDP model is returned as it is (its state is the plain module's).
-    """
-    reducer = None
-    while True:
-        if isinstance(model, DistributedDataParallel):
-            reducer = model.reducer
-            model = model.module
-        elif isinstance(
-            model, DataParallel | nn.DataParallel | nn.parallel.DistributedDataParallel
-        ):
-            model = model.module
-        elif type(model).__name__ == "OptimizedModule" and isinstance(
-            inner := getattr(model, "_orig_mod", None), nn.Module
-        ):
-            model = inner  # torch.compile's wrapper
-        else:
-            return model, reducer
 
 
 def is_plain(value: Any) -> bool:
@@ -140,100 +115,67 @@ class ModelEntry(Entry):
 
     def __init__(self, key: str, obj: nn.Module) -> None:
         super().__init__(key, obj)
-        self.target, self.reducer = unwrap(obj)
+        self.state = model_state(obj)
 
     def save(self, kind: Kind) -> tuple[Any, dict[str, Any] | None]:
-        target = self.target
-        if isinstance(target, FSDP):
-            if kind == "sharded":
-                return {"model": None, "engine": None}, {"model": target.sharded_state_dict()}
-            return {"model": target.full_state_dict(0), "engine": None}, None
-        engine = self.reducer.state_dict() if self.reducer is not None else None
-        return {"model": target.state_dict(), "engine": engine}, None
+        full, shard = self.state.save(kind)
+        record = {"model": full, "engine": self.state.engine_state()}
+        return record, None if shard is None else {"model": shard}
 
     def sharded_in(self, state: Any) -> bool:
         return _holds_none(state, "model")
 
     def reshard(self, saved_world_size: int, read: Callable[[int], Any]) -> dict[str, Any]:
-        if not isinstance(self.target, FSDP):
-            raise ValueError(
-                f"{self.what}: the checkpoint holds the shards of a "
-                f"tandem.FullyShardedDataParallel model (kind='sharded'), and this is a "
-                f"{type(self.target).__name__}: load it into an FSDP model of the same module "
-                "(at any world size), or save with kind='full', which loads into any model"
-            )
-        return {"model": reshard_model(self.target.layout, saved_world_size, read)}
+        return {"model": self.state.reshard(self.what, saved_world_size, read)}
 
     def check(self, state: Any, shard: dict[str, Any] | None) -> None:
-        check_model(self.what, self.target, _part(state, "model"), _part(shard, "model"))
+        self.state.check(self.what, _part(state, "model"), _part(shard, "model"))
 
     def load(self, state: Any, shard: dict[str, Any] | None) -> None:
-        target, sharded = self.target, _part(shard, "model")
-        if sharded is not None:
-            assert isinstance(target, FSDP)  # check() refused anything else
-            target.load_sharded_state_dict(sharded)
-        elif isinstance(target, FSDP):
-            target.load_full_state_dict(state["model"])
-        else:
-            target.load_state_dict(state["model"])
-            # A checkpoint of a model that was not wrapped in tandem.DDP has no bucket order:
-            # the reducer then learns its buckets again, as after construction.
-            if self.reducer is not None and state.get("engine") is not None:
-                self.reducer.load_state_dict(state["engine"])
+        sharded = _part(shard, "model")
+        self.state.load(None if sharded is not None else state["model"], sharded)
+        if sharded is None:
+            self.state.load_engine_state(state.get("engine"))
 
 
 class OptimizerEntry(Entry):
     tag = "optimizer"
 
-    def __init__(self, key: str, obj: torch.optim.Optimizer, owner: FSDP | None) -> None:
+    def __init__(self, key: str, obj: torch.optim.Optimizer, owner: ModelState | None) -> None:
         super().__init__(key, obj)
-        self.owner = owner  # the FSDP model whose shards it steps
+        self.state = optimizer_state(obj, owner)  # owner: the FSDP model whose shards it steps
 
     def save(self, kind: Kind) -> tuple[Any, dict[str, Any] | None]:
-        opt, owner = self.obj, self.owner
-        if kind == "sharded" and (isinstance(opt, ShardedOptimizer) or owner is not None):
-            return {"optimizer": None}, {"optimizer": opt.state_dict()}
-        if isinstance(opt, ShardedOptimizer):
-            return {"optimizer": opt.full_state_dict(0)}, None
-        if owner is not None:
-            return {"optimizer": owner.full_optim_state_dict(opt, 0)}, None
-        return {"optimizer": opt.state_dict()}, None
+        full, shard = self.state.save(kind)
+        return {"optimizer": full}, None if shard is None else {"optimizer": shard}
 
     def sharded_in(self, state: Any) -> bool:
         return _holds_none(state, "optimizer")
 
     def reshard(self, saved_world_size: int, read: Callable[[int], Any]) -> dict[str, Any]:
-        layout = None if self.owner is None else self.owner.layout
         try:
-            return {"optimizer": reshard_optimizer(self.obj, layout, saved_world_size, read)}
+            return {"optimizer": self.state.reshard(self.what, saved_world_size, read)}
         except ValueError as e:
             raise ValueError(f"{self.what}: {e}") from e
 
     def check(self, state: Any, shard: dict[str, Any] | None) -> None:
-        check_optimizer(
-            self.what, self.obj, self.owner, _part(state, "optimizer"), _part(shard, "optimizer")
-        )
+        self.state.check(self.what, _part(state, "optimizer"), _part(shard, "optimizer"))
 
     def load(self, state: Any, shard: dict[str, Any] | None) -> None:
-        opt, owner, sharded = self.obj, self.owner, _part(shard, "optimizer")
-        if sharded is not None:
-            opt.load_state_dict(sharded)
-        elif isinstance(opt, ShardedOptimizer):
-            opt.load_full_state_dict(state["optimizer"])
-        elif owner is not None:
-            owner.load_full_optim_state_dict(opt, state["optimizer"])
-        else:
-            opt.load_state_dict(state["optimizer"])
+        sharded = _part(shard, "optimizer")
+        self.state.load(None if sharded is not None else state["optimizer"], sharded)
 
 
 class EngineEntry(Entry):
     """An engine: its own ``state_dict(kind)`` / ``load_state_dict`` (the engine contract)."""
 
     tag = "engine"
+    obj: Engine
 
     def __init__(self, key: str, obj: Engine) -> None:
         super().__init__(key, obj)
-        self.owner = obj.fsdp if isinstance(obj, ShardedEngine) else None
+        self.model: ModelState = obj.model_state
+        self.optimizer: OptimizerState = obj.optimizer_state
 
     def save(self, kind: Kind) -> tuple[Any, dict[str, Any] | None]:
         # An engine with nothing sharded refuses the sharded kind; its full state is the same
@@ -247,20 +189,13 @@ class EngineEntry(Entry):
 
     def reshard(self, saved_world_size: int, read: Callable[[int], Any]) -> dict[str, Any]:
         try:
-            return reshard(self.obj, saved_world_size, read)
+            return self.obj.reshard(saved_world_size, read)
         except ValueError as e:
             raise ValueError(f"{self.what}: {e}") from e
 
     def check(self, state: Any, shard: dict[str, Any] | None) -> None:
-        target = self.owner if self.owner is not None else self.obj.module
-        check_model(self.what, target, _part(state, "model"), _part(shard, "model"))
-        check_optimizer(
-            self.what,
-            self.obj.optimizer,
-            self.owner,
-            _part(state, "optimizer"),
-            _part(shard, "optimizer"),
-        )
+        self.model.check(self.what, _part(state, "model"), _part(shard, "model"))
+        self.optimizer.check(self.what, _part(state, "optimizer"), _part(shard, "optimizer"))
 
     def load(self, state: Any, shard: dict[str, Any] | None) -> None:
         self.obj.load_state_dict({**state, "shard": shard})
@@ -344,13 +279,12 @@ def classify(state: Mapping[str, Any]) -> list[Entry]:
             f"state must be a dict of the objects to save, e.g. {{'model': model, 'optimizer': "
             f"opt}}; got a {type(state).__name__}"
         )
-    owners: dict[int, FSDP] = {}  # id of a shard parameter -> its FSDP model
+    owners: dict[int, ModelState] = {}  # id of a shard parameter -> its FSDP model's adapter
     for obj in state.values():
-        fsdp: Any = obj.fsdp if isinstance(obj, ShardedEngine) else None
-        if isinstance(obj, nn.Module):
-            fsdp = unwrap(obj)[0]
-        if isinstance(fsdp, FSDP):
-            owners.update({id(unit.shard): fsdp for unit in fsdp.units})
+        if isinstance(obj, Engine):
+            owners.update(obj.model_state.shard_owners())
+        elif isinstance(obj, nn.Module):
+            owners.update(model_state(obj).shard_owners())
     entries: list[Entry] = []
     for key, obj in state.items():
         if not isinstance(key, str):
@@ -380,7 +314,9 @@ def classify(state: Mapping[str, Any]) -> list[Entry]:
     return entries
 
 
-def _owner(key: str, opt: torch.optim.Optimizer, owners: dict[int, FSDP]) -> FSDP | None:
+def _owner(
+    key: str, opt: torch.optim.Optimizer, owners: dict[int, ModelState]
+) -> ModelState | None:
     params = [p for group in opt.param_groups for p in group["params"]]
     found = {id(owners[id(p)]): owners[id(p)] for p in params if id(p) in owners}
     if len(found) > 1:

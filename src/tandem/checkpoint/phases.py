@@ -38,10 +38,10 @@ from tandem import _dist
 from tandem._dist import gather_objects
 from tandem._profile import span
 from tandem.checkpoint.entries import Entry, StatefulEntry, ValueEntry, classify
-from tandem.checkpoint.fit import listed
 from tandem.checkpoint.run_dir import CheckpointError
 from tandem.checkpoint.sealed import payload_kind, read_verified
 from tandem.checkpoint.shards import cached_reader, read_shard, shard_path, write_shard
+from tandem.parallel.adapters import listed
 from tandem.parallel.engine import Kind
 
 log = logging.getLogger(__name__)

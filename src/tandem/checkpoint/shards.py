@@ -11,9 +11,9 @@ digests, so a checkpoint is never committed with a shard missing. A rank reads b
 own file, checked against that digest: nodes need not share a file system, as long as each
 rank comes back on the node that holds its file.
 
-At another world size (:func:`reshard`) a rank reads the files of the saved ranks whose shards
-overlap its new one, each checked against its digest, and cuts its shard from them: those
-files must be visible to it (a shared file system).
+At another world size (:meth:`tandem.parallel.engine.Engine.reshard`) a rank reads the files
+of the saved ranks whose shards overlap its new one, each checked against its digest, and cuts
+its shard from them: those files must be visible to it (a shared file system).
 
 Example::
 
@@ -33,10 +33,6 @@ import torch
 
 from tandem.checkpoint.run_dir import CheckpointError
 from tandem.files import file_digest, fsync_dir, rename_into_place, unlink_quietly, write_temp
-from tandem.parallel.engine import Engine, ShardedEngine
-from tandem.parallel.fsdp import reshard as fsdp_reshard
-from tandem.parallel.fsdp.layout import FsdpLayout
-from tandem.parallel.zero import ShardedOptimizer
 
 SHARDS_DIR = "shards"
 
@@ -127,92 +123,3 @@ def cached_reader(read: Callable[[int], dict[str, Any]]) -> Callable[[int], dict
         return files[rank]
 
     return once
-
-
-def reshard_model(
-    layout: FsdpLayout, saved_world_size: int, read: Callable[[int], dict[str, Any]]
-) -> dict[str, Any]:
-    """This rank's FSDP ``sharded_state_dict()``, cut from the ``"model"`` parts ``read(q)``
-    gives of the saved ranks that overlap this one (:mod:`tandem.parallel.fsdp.reshard`)."""
-    files = {q: read(q) for q in fsdp_reshard.source_ranks(layout, saved_world_size)}
-    return fsdp_reshard.reshard_sharded_state_dict(layout, _parts(files, "model"))
-
-
-def reshard_optimizer(
-    optimizer: torch.optim.Optimizer,
-    layout: FsdpLayout | None,
-    saved_world_size: int,
-    read: Callable[[int], dict[str, Any]],
-) -> dict[str, Any]:
-    """This rank's ``optimizer.state_dict()``, cut from the ``"optimizer"`` parts ``read(q)``
-    gives: an optimizer over the shards of the FSDP model of ``layout`` (element-wise state cut
-    like the shards), or a ShardedOptimizer (``layout`` None: the state of the parameters this
-    rank owns now, from their old owners)."""
-    if layout is not None:
-        files = {q: read(q) for q in fsdp_reshard.source_ranks(layout, saved_world_size)}
-        return fsdp_reshard.reshard_optim_state_dict(
-            layout, optimizer, _parts(files, "optimizer"), saved_world_size
-        )
-    if not isinstance(optimizer, ShardedOptimizer):
-        raise ValueError(
-            f"the checkpoint holds a sharded optimizer state, and this optimizer "
-            f"{type(optimizer).__name__} is not sharded: load it with the set-up that wrote it "
-            "(a tandem.ShardedOptimizer, or an optimizer over a tandem.FullyShardedDataParallel "
-            "model's shards), or save a full checkpoint"
-        )
-    files = {q: read(q) for q in optimizer.source_ranks(saved_world_size)}
-    return optimizer.reshard_state_dicts(_parts(files, "optimizer"))
-
-
-def reshard(
-    engine: Engine, saved_world_size: int, read: Callable[[int], dict[str, Any]]
-) -> dict[str, Any]:
-    """This rank's shard for ``engine``, cut from the files of a run of another world size.
-
-    ``read(rank)`` returns a saved rank's shard file (:func:`read_shard`); only the ranks whose
-    shards overlap this rank's are read, each once. The result is what
-    ``engine.state_dict("sharded")`` would give here as ``"shard"``, so
-    ``engine.load_state_dict`` takes it unchanged:
-
-    - FullyShardedDataParallel: every unit's flat shard and the optimizer's element-wise state
-      cut anew (:func:`reshard_model`, :func:`reshard_optimizer`);
-    - ShardedOptimizer: the state of the parameters this rank owns now, from their old owners
-      (:meth:`tandem.parallel.zero.ShardedOptimizer.reshard_state_dicts`).
-
-    Raises:
-        CheckpointError: a file ``read`` needs is missing or corrupt.
-        ValueError: the files do not fit this engine (another model, another kind of engine).
-
-    Example::
-
-        shard = reshard(engine, 2, lambda q: read_shard(ckpt_dir, name, q, digests[q]))
-        engine.load_state_dict({**main_file_parts, "shard": shard})
-    """
-    read = cached_reader(read)
-    if isinstance(engine, ShardedEngine):
-        layout = engine.fsdp.layout
-        return {
-            "model": reshard_model(layout, saved_world_size, read),
-            "optimizer": reshard_optimizer(engine.optimizer, layout, saved_world_size, read),
-        }
-    optimizer = engine.optimizer
-    if isinstance(optimizer, ShardedOptimizer):
-        for q in optimizer.source_ranks(saved_world_size):
-            if "model" in read(q):
-                raise ValueError(
-                    "the shard files hold FSDP model shards; this model is not a "
-                    "tandem.FullyShardedDataParallel"
-                )
-    return {"optimizer": reshard_optimizer(optimizer, None, saved_world_size, read)}
-
-
-def _parts(files: dict[int, dict[str, Any]], part: str) -> dict[int, Any]:
-    """Every file's ``part``; ValueError naming the file that lacks it."""
-    for q, f in files.items():
-        if not isinstance(f, dict) or part not in f:
-            held = sorted(f) if isinstance(f, dict) else type(f).__name__
-            raise ValueError(
-                f"saved rank {q}'s shard holds no {part!r} part (it holds {held}): it was "
-                f"written by another set-up (a ShardedOptimizer run holds no FSDP model shards)"
-            )
-    return {q: f[part] for q, f in files.items()}

@@ -36,13 +36,22 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from tandem._dist import group_rank, group_size
+from tandem._dist import group_size
+from tandem.parallel.adapters import (
+    ModelState,
+    OptimizerState,
+    PlainModel,
+    Reader,
+    ShardedModel,
+    ShardOptimizer,
+    check_scaler,
+    optimizer_state,
+)
 from tandem.parallel.ddp.end_of_backward import Rider
 from tandem.parallel.ddp.wrapper import DistributedDataParallel
 from tandem.parallel.dp.wrapper import DataParallel
 from tandem.parallel.fsdp.wrapper import FullyShardedDataParallel
 from tandem.parallel.grad_norm import clip_sharded_grad_norm_
-from tandem.parallel.zero import ShardedOptimizer
 
 Kind = Literal["full", "sharded"]
 KINDS: tuple[Kind, ...] = ("full", "sharded")
@@ -69,13 +78,33 @@ class Engine(ABC):
         state = engine.state_dict("full")
     """
 
-    #: The set-up holds shards, so the ``"sharded"`` kind has something to write.
-    has_shards: bool = False
-
-    def __init__(self, model: nn.Module, module: nn.Module, optimizer: torch.optim.Optimizer):
+    def __init__(
+        self,
+        model: nn.Module,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        model_state: ModelState,
+        optimizer_state: OptimizerState,
+    ) -> None:
         self.model = model  # what forward calls
         self.module = module  # the user's module, unwrapped
         self.optimizer = optimizer
+        # How the model and the optimizer are saved, checked, loaded and resharded: the same
+        # adapters serve tandem.checkpoint's entries (tandem.parallel.adapters).
+        self.model_state = model_state
+        self.optimizer_state = optimizer_state
+
+    @property
+    def has_shards(self) -> bool:
+        """The set-up holds shards, so the ``"sharded"`` kind has something to write."""
+        return self.model_state.sharded or self.optimizer_state.sharded
+
+    @property
+    def eval_model(self) -> nn.Module:
+        """What evaluation calls: the plain module (no collectives, so the ranks' unequal
+        shards of an evaluation set are fine), or the FSDP wrapper, whose forwards gather its
+        units and so run on every rank in lock step."""
+        return self.model_state.eval_model
 
     def check(self, kind: str) -> None:
         """Raise ValueError unless this set-up can write checkpoints of ``kind``."""
@@ -96,13 +125,49 @@ class Engine(ABC):
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scale every gradient so that their global norm is at most ``max_norm``; that norm."""
 
-    @abstractmethod
     def state_dict(self, kind: Kind = "full") -> dict[str, Any]:
         """``{"model", "optimizer", "engine", "shard"}`` (a collective; see the class doc)."""
+        self.check(kind)
+        model, model_shard = self.model_state.save(kind)
+        optimizer, optimizer_shard = self.optimizer_state.save(kind)
+        shard = {
+            name: part
+            for name, part in (("model", model_shard), ("optimizer", optimizer_shard))
+            if part is not None
+        }
+        engine = self.model_state.engine_state()
+        return {"model": model, "optimizer": optimizer, "engine": engine, "shard": shard or None}
 
-    @abstractmethod
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Load what :meth:`state_dict` gave, before the first forward (every rank)."""
+        shard = state.get("shard") or {}
+        self.model_state.load(state.get("model"), shard.get("model"))
+        self.optimizer_state.load(state.get("optimizer"), shard.get("optimizer"))
+        # A checkpoint written before engines saved theirs, or by another engine, has none.
+        self.model_state.load_engine_state(state.get("engine"))
+
+    def reshard(self, saved_world_size: int, read: Reader) -> dict[str, Any]:
+        """This rank's ``"shard"``, cut from the shard files of a run of another world size.
+
+        ``read(rank)`` returns a saved rank's shard file; only the ranks whose shards overlap
+        this rank's are read. The result is what ``state_dict("sharded")`` would give here as
+        ``"shard"``, so :meth:`load_state_dict` takes it unchanged: FSDP's flat shards and its
+        optimizer's element-wise state cut anew; a ShardedOptimizer's state of the parameters
+        this rank owns now, from their old owners.
+
+        Raises:
+            ValueError: the files do not fit this engine (another model, another set-up).
+
+        Example::
+
+            shard = engine.reshard(2, lambda q: read_shard(ckpt_dir, name, q, digests[q]))
+            engine.load_state_dict({**main_file_parts, "shard": shard})
+        """
+        shard = {}
+        if self.model_state.sharded:
+            shard["model"] = self.model_state.reshard("the model", saved_world_size, read)
+        shard["optimizer"] = self.optimizer_state.reshard("the optimizer", saved_world_size, read)
+        return shard
 
     def carry(self, rider: Rider) -> bool:
         """Let ``rider``'s counts travel in a collective the engine issues every step anyway.
@@ -112,13 +177,13 @@ class Engine(ABC):
         """
         return False
 
-    @abstractmethod
     def plain_weights(self, to: int = 0) -> dict[str, torch.Tensor] | None:
         """The user's module's ``state_dict()``, whole, on rank ``to``; None on the others.
 
         A collective. The keys are the plain module's (no ``module.`` prefix): the dict loads
         into the unwrapped model.
         """
+        return self.model_state.plain_weights(to)
 
 
 class ReplicatedEngine(Engine):
@@ -137,9 +202,10 @@ class ReplicatedEngine(Engine):
         optimizer: torch.optim.Optimizer,
         reducer: Any = None,
     ) -> None:
-        super().__init__(model, module, optimizer)
-        self.has_shards = isinstance(optimizer, ShardedOptimizer)
-        # tandem.DDP's bucket order (its reducer), when the model is wrapped in one.
+        # tandem.DDP's bucket order (its reducer) is saved with the model, when it has one.
+        super().__init__(
+            model, module, optimizer, PlainModel(module, reducer), optimizer_state(optimizer)
+        )
         self._reducer = reducer
 
     def carry(self, rider: Rider) -> bool:
@@ -155,41 +221,6 @@ class ReplicatedEngine(Engine):
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         return torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm, norm_type)
 
-    def state_dict(self, kind: Kind = "full") -> dict[str, Any]:
-        self.check(kind)
-        engine = self._reducer.state_dict() if self._reducer is not None else None
-        model = self.module.state_dict()
-        if not self.has_shards:
-            return {"model": model, "optimizer": self.optimizer.state_dict(), "engine": engine,
-                    "shard": None}  # fmt: skip
-        optimizer: Any = self.optimizer
-        if kind == "sharded":
-            shard = {"optimizer": optimizer.state_dict()}
-            return {"model": model, "optimizer": None, "engine": engine, "shard": shard}
-        return {"model": model, "optimizer": optimizer.full_state_dict(), "engine": engine,
-                "shard": None}  # fmt: skip
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.module.load_state_dict(state["model"])
-        shard = state.get("shard") or {}
-        optimizer: Any = self.optimizer
-        if "optimizer" in shard:
-            optimizer.load_state_dict(shard["optimizer"])
-        elif self.has_shards:
-            optimizer.load_full_state_dict(state["optimizer"])
-        else:
-            optimizer.load_state_dict(state["optimizer"])
-        # A checkpoint written before engines saved theirs, or by another engine, has none:
-        # the engine then learns its buckets again (bitwise resumes need the saved ones at 3+
-        # ranks, where Gloo's sums round differently when bucket boundaries move).
-        if self._reducer is not None and state.get("engine") is not None:
-            self._reducer.load_state_dict(state["engine"])
-
-    def plain_weights(self, to: int = 0) -> dict[str, torch.Tensor] | None:
-        if group_rank() != to:
-            return None
-        return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
-
 
 class ShardedEngine(Engine):
     """tandem.FullyShardedDataParallel: each rank holds a shard of parameters, gradients and
@@ -199,74 +230,19 @@ class ShardedEngine(Engine):
     accumulation has no communication to skip; the gradient norm adds the ranks' shards.
     """
 
-    has_shards = True
-
     def __init__(self, model: FullyShardedDataParallel, optimizer: torch.optim.Optimizer):
-        super().__init__(model, model.module, optimizer)
-        self.fsdp = model
+        sharded = ShardedModel(model)
+        super().__init__(
+            model, model.module, optimizer, sharded, ShardOptimizer(optimizer, sharded)
+        )
+        self._fsdp = model
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         return clip_sharded_grad_norm_(
-            self.fsdp.parameters(), max_norm, norm_type, self.fsdp.process_group
-        )
-
-    def state_dict(self, kind: Kind = "full") -> dict[str, Any]:
-        self.check(kind)
-        if kind == "sharded":
-            shard = {
-                "model": self.fsdp.sharded_state_dict(),
-                "optimizer": self.optimizer.state_dict(),
-            }
-            return {"model": None, "optimizer": None, "engine": None, "shard": shard}
-        return {
-            "model": self.fsdp.full_state_dict(),
-            "optimizer": self.fsdp.full_optim_state_dict(self.optimizer),
-            "engine": None,
-            "shard": None,
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        shard = state.get("shard") or {}
-        if "model" in shard:
-            self.fsdp.load_sharded_state_dict(shard["model"])
-            self.optimizer.load_state_dict(shard["optimizer"])
-        else:
-            self.fsdp.load_full_state_dict(state["model"])
-            self.fsdp.load_full_optim_state_dict(self.optimizer, state["optimizer"])
-
-    def plain_weights(self, to: int = 0) -> dict[str, torch.Tensor] | None:
-        return self.fsdp.full_state_dict(to)
-
-
-def check_scaler(model: nn.Module, scaler: Any) -> None:
-    """Raise unless ``scaler`` (a ``torch.amp.GradScaler`` or None) fits ``model``: with a
-    FullyShardedDataParallel model it must be torch's ``ShardedGradScaler``.
-
-    A plain GradScaler looks for inf and nan in this rank's gradients only, which under FSDP
-    are this rank's shards: one rank could find an overflow and skip the step while the others
-    take it, and their scales part. ``ShardedGradScaler`` sums the ranks' findings (one
-    all-reduce) before any of them decides. It works with tandem.DDP too.
-
-    Example::
-
-        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-        check_scaler(fsdp_model, ShardedGradScaler("cuda"))           # fine
-        check_scaler(fsdp_model, torch.amp.GradScaler("cuda"))        # ValueError
-    """
-    if scaler is None or not isinstance(model, FullyShardedDataParallel):
-        return
-    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
-    if not isinstance(scaler, ShardedGradScaler):
-        raise ValueError(
-            f"scaler={type(scaler).__name__} with a FullyShardedDataParallel model: a "
-            "GradScaler sees only this rank's gradient shards, so ranks could disagree on "
-            "skipping a step; pass torch.distributed.fsdp.sharded_grad_scaler."
-            "ShardedGradScaler(device, init_scale=...), which agrees across ranks (the Trainer "
-            "makes one for precision='fp16-mixed' when scaler= is left unset)"
+            self._fsdp.parameters(), max_norm, norm_type, self._fsdp.process_group
         )
 
 

@@ -21,7 +21,7 @@ from torch import nn
 from tandem._dist import gather_objects, group_size
 from tandem.data.eval_sampler import shard_range
 from tandem.metrics import Accuracy, Mean, reduce_sum
-from tandem.parallel.fsdp.wrapper import FullyShardedDataParallel
+from tandem.parallel.adapters import model_state
 from tandem.train.step import BatchStep
 
 
@@ -118,9 +118,10 @@ def lockstep_forwards(model: nn.Module, eval_data: Any, batch_size: int) -> int 
 
         forwards = lockstep_forwards(fsdp_model, test_set, batch_size=64)
     """
-    if eval_data is None or not isinstance(model, FullyShardedDataParallel):
+    wrapper = model_state(model)
+    if eval_data is None or not wrapper.forward_is_collective:
         return None
-    n, world = len(cast(Sized, eval_data)), group_size(model.process_group)
+    n, world = len(cast(Sized, eval_data)), group_size(wrapper.process_group)
     if n < world:
         raise ValueError(
             f"eval_data has {n} samples for {world} ranks: with a FullyShardedDataParallel "

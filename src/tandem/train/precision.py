@@ -38,7 +38,7 @@ dtypes) asks for autocast alone. Under fp16 a plain ``GradScaler`` would see onl
 gradient shards, so ranks could disagree on skipping a step: the scaler made for an FSDP model
 is ``torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler``, which sums the inf/nan
 flags of all ranks before deciding, and a scaler passed in must be one
-(:func:`tandem.parallel.engine.check_scaler`, the one rule).
+(:func:`tandem.parallel.adapters.check_scaler`, the one rule).
 
 Example::
 
@@ -58,10 +58,8 @@ import torch
 from torch import nn
 
 from tandem._tree import to_device
-from tandem.parallel.ddp.wrapper import DistributedDataParallel
-from tandem.parallel.engine import check_scaler
+from tandem.parallel.adapters import check_scaler, model_state
 from tandem.parallel.fsdp.precision import MixedPrecisionPolicy
-from tandem.parallel.fsdp.wrapper import FullyShardedDataParallel
 
 PRECISIONS = ("32-true", "bf16-mixed", "fp16-mixed", "bf16-true")
 
@@ -141,13 +139,10 @@ class Precision:
             model.mixed_precision      # MixedPrecisionPolicy(param_dtype=bfloat16, ...)
         """
         policy = self.fsdp_policy
-        if (
-            policy is not None
-            and isinstance(model, FullyShardedDataParallel)
-            and model.mixed_precision is None
-        ):
+        wrapper = model_state(model)
+        if policy is not None and wrapper.sharded and wrapper.mixed_precision is None:
             try:
-                model.set_mixed_precision(policy)
+                wrapper.set_mixed_precision(policy)
             except ValueError as error:
                 raise ValueError(
                     f"precision={self.name!r} with a FullyShardedDataParallel model gathers its "
@@ -159,7 +154,7 @@ class Precision:
         dtype = self.float_dtype
         if dtype is None:
             return
-        if isinstance(model, (DistributedDataParallel, FullyShardedDataParallel)):
+        if wrapper.layout_fixed:
             others = sorted(
                 {str(p.dtype) for p in model.parameters() if p.is_floating_point()} - {str(dtype)}
             )
@@ -192,7 +187,7 @@ def resolve_precision(
     Raises:
         ValueError: an unknown name (the valid ones listed), a scaler with another precision,
             or a plain GradScaler with a FullyShardedDataParallel model
-            (:func:`tandem.parallel.engine.check_scaler`).
+            (:func:`tandem.parallel.adapters.check_scaler`).
 
     Example::
 
@@ -211,12 +206,7 @@ def resolve_precision(
             "scaler; or drop the scaler)"
         )
     if name == "fp16-mixed" and scaler is None:
-        if isinstance(model, FullyShardedDataParallel):
-            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
-            scaler = ShardedGradScaler(device.type, process_group=model.process_group)
-        else:
-            scaler = torch.amp.GradScaler(device.type)
+        scaler = model_state(model).grad_scaler(device.type)
     check_scaler(model, scaler)
     return Precision(name, device.type), scaler
 

@@ -48,7 +48,6 @@ from tandem.checkpoint.checkpointer import Checkpointer, check_writable
 from tandem.doctor import step_clock
 from tandem.doctor import trace as tracing
 from tandem.parallel.engine import Engine, make_engine
-from tandem.parallel.fsdp.wrapper import FullyShardedDataParallel
 from tandem.train import arguments
 from tandem.train.arguments import OptimizerArg, SchedulerArg
 from tandem.train.evaluation import evaluate, lockstep_forwards
@@ -575,9 +574,9 @@ class Trainer:
         batches = self.loaders.eval_batches(self.state.epoch)
         # Replicated engines evaluate the plain module (no collectives, so the ranks' unequal
         # shards are fine); an FSDP wrapper gathers its units in forward, in lock step.
-        sharded = isinstance(self.model, FullyShardedDataParallel)
-        model = self.model if sharded else self.module
-        return evaluate(model, batches, self._eval_step, forwards=self._eval_forwards)
+        return evaluate(
+            self.engine.eval_model, batches, self._eval_step, forwards=self._eval_forwards
+        )
 
     def _summary(self, stopped_by: str | None) -> Summary:
         """What ``train()`` returns: the run so far, its last epoch's metrics."""
