@@ -52,6 +52,7 @@ def test_every_benchmark_has_a_tiny_run():
     assert scripts == set(TINY)
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("name", sorted(TINY))
 def test_tiny_run(name, tmp_path):
     out = tmp_path / f"{name}.json"

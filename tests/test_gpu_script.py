@@ -14,6 +14,10 @@ import os
 import subprocess
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.launch
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

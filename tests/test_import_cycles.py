@@ -1,22 +1,33 @@
-"""No module of tandem imports itself back, and the layers import in one direction only.
+"""No module of tandem imports itself back, the layers import one way, and no caller outside
+``tandem.parallel`` asks which engine it holds.
 
-Proves: the module graph of ``src/tandem`` read with :mod:`ast` (``import a.b``, ``from a import
-b``, relative imports, imports inside functions; ``if TYPE_CHECKING:`` blocks left out, as they
-never run) has no cycle, every cycle is named as ``a -> b -> a``, and ``tandem.launch`` (which
-the launcher imports before any worker starts) imports nothing from ``tandem.data``. The checker
-itself is shown to find the cycles of a synthetic graph, so a green run means something.
+Proves, on the module graph of ``src/tandem`` read with :mod:`ast` (``import a.b``, ``from a
+import b``, relative imports, imports inside functions and under ``if TYPE_CHECKING:``):
 
-An import inside a function is counted: it hides a cycle from Python at import time, not from
-the reader, and the two modules still cannot be understood (or moved) one without the other.
+- there is no cycle (each is named as ``a -> b -> a``);
+- the layers import one way (:data:`LAYERS`): ``checkpoint`` never imports ``train``,
+  ``doctor`` never imports ``launch``, ``job`` imports none of the packages that use it, ...;
+- the launcher's modules (``launch``, ``job``, ``cli``) import no torch, and every module
+  imports on its own in a fresh interpreter (in any order, since each starts clean);
+- outside ``tandem.parallel`` no ``isinstance`` names an engine or wrapper class and no code
+  reaches into an engine's wrapper (``.fsdp``): callers use :class:`tandem.parallel.engine.Engine`
+  and the adapters of :mod:`tandem.parallel.adapters`.
+
+Each checker is shown to find what it looks for in a synthetic case, so a green run means
+something. Imports inside functions and under ``TYPE_CHECKING`` count: they hide a cycle from
+Python at import time, not from the reader, and the two modules still cannot be understood (or
+moved) one without the other.
 """
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-SRC = Path(__file__).resolve().parents[2] / "src"
+SRC = Path(__file__).resolve().parents[1] / "src"
 PACKAGE = "tandem"
 
 
@@ -31,22 +42,9 @@ def module_files(src: Path = SRC, package: str = PACKAGE) -> dict[str, Path]:
     return modules
 
 
-def _is_type_checking(test: ast.expr) -> bool:
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
-    )
-
-
 def _imports(node: ast.AST) -> Iterable[ast.Import | ast.ImportFrom]:
-    """Every import statement under ``node``, at any depth, except under ``if TYPE_CHECKING:``."""
+    """Every import statement under ``node``, at any depth (``TYPE_CHECKING`` blocks too)."""
     for child in ast.iter_child_nodes(node):
-        if isinstance(child, ast.If) and _is_type_checking(child.test):
-            # The body never runs; an `else:` branch does.
-            for statement in child.orelse:
-                if isinstance(statement, ast.Import | ast.ImportFrom):
-                    yield statement
-                yield from _imports(statement)
-            continue
         if isinstance(child, ast.Import | ast.ImportFrom):
             yield child
         yield from _imports(child)
@@ -156,13 +154,16 @@ def test_reads_every_kind_of_import(tmp_path):
     graph = import_graph(tmp_path, "pkg")
     assert graph == {
         "pkg": {"pkg.a"},
-        "pkg.a": {"pkg.sub.b"},  # the TYPE_CHECKING import of c is not counted
+        "pkg.a": {"pkg.c", "pkg.sub.b"},  # the TYPE_CHECKING import of c counts
         "pkg.c": {"pkg.sub.b"},  # inside a function, relative
         "pkg.sub": {"pkg.c"},
         "pkg.sub.b": {"pkg.a", "pkg.sub.d"},
         "pkg.sub.d": set(),
     }
-    assert [format_cycle(c) for c in find_cycles(graph)] == ["pkg.a -> pkg.sub.b -> pkg.a"]
+    assert [format_cycle(c) for c in find_cycles(graph)] == [
+        "pkg.a -> pkg.c -> pkg.sub.b -> pkg.a",
+        "pkg.a -> pkg.sub.b -> pkg.a",
+    ]
 
 
 # tandem itself.
@@ -171,6 +172,169 @@ def test_reads_every_kind_of_import(tmp_path):
 def test_no_import_cycles():
     cycles = find_cycles(import_graph())
     assert not cycles, f"{len(cycles)} import cycle(s):\n" + "\n".join(map(format_cycle, cycles))
+
+
+#: (importer, imported, why): no module under the first package may import one under the second.
+LAYERS = [
+    ("checkpoint", "train", "checkpoints know nothing of the Trainer (the Trainer uses them)"),
+    ("doctor", "launch", "the doctor runs in the workers; the launcher reads its files"),
+    ("doctor", "parallel", "the engines report to the doctor, not the other way round"),
+    ("parallel", "train", "engines know nothing of the Trainer"),
+    ("parallel", "checkpoint", "the checkpoint package drives the engines' adapters"),
+    ("parallel", "launch", "engines run in the workers"),
+    ("launch", "data", "the launcher imports tandem.launch before any worker starts"),
+    ("launch", "parallel", "the launcher starts workers; it trains nothing"),
+    ("launch", "train", "the launcher starts workers; it trains nothing"),
+    *[
+        ("job", above, "what a process knows of its job sits below everything that uses it")
+        for above in ("launch", "doctor", "data", "parallel", "train", "checkpoint", "world")
+    ],
+    *[
+        (below, "cli", "the command line sits on top")
+        for below in ("launch", "job", "doctor", "parallel", "train", "checkpoint", "data")
+    ],
+]
+
+
+def _under(module: str, package: str) -> bool:
+    full = f"{PACKAGE}.{package}"
+    return module == full or module.startswith(f"{full}.")
+
+
+def layering_violations(graph: Mapping[str, Iterable[str]]) -> list[str]:
+    """``"a imports b: why"`` for every edge that goes against :data:`LAYERS`."""
+    return sorted(
+        f"{_short(module)} imports {_short(target)}: {why}"
+        for low, high, why in LAYERS
+        for module, targets in graph.items()
+        if _under(module, low)
+        for target in targets
+        if _under(target, high)
+    )
+
+
+def test_layering_checker_finds_a_wrong_way_import():
+    graph = {"tandem.checkpoint.entries": {"tandem.train.trainer", "tandem.parallel.engine"}}
+    assert layering_violations(graph) == [
+        "checkpoint.entries imports train.trainer: checkpoints know nothing of the Trainer "
+        "(the Trainer uses them)"
+    ]
+
+
+def test_layers_import_one_way():
+    wrong = layering_violations(import_graph())
+    assert not wrong, "\n".join(wrong)
+
+
+#: Classes whose name a caller outside tandem.parallel must not test for: the engines, the
+#: wrappers and the adapters (ask the Engine or the adapter instead).
+ENGINE_CLASSES = {
+    "DDP",
+    "DataParallel",
+    "DistributedDataParallel",
+    "FSDP",
+    "FullyShardedDataParallel",
+    "PlainModel",
+    "PlainOptimizer",
+    "ReplicatedEngine",
+    "ShardOptimizer",
+    "ShardedEngine",
+    "ShardedModel",
+    "ShardedOptimizer",
+    "ZeroOptimizer",
+}
+
+
+def engine_lookups(source: str, filename: str = "<source>") -> list[str]:
+    """``"line N: ..."`` for each ``isinstance``/``issubclass`` naming an engine class, and each
+    ``.fsdp`` attribute read, in ``source``."""
+    found = []
+    for node in ast.walk(ast.parse(source, filename=filename)):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in {"isinstance", "issubclass"}
+            and len(node.args) == 2
+        ):
+            names = {
+                n.id if isinstance(n, ast.Name) else n.attr
+                for n in ast.walk(node.args[1])
+                if isinstance(n, ast.Name | ast.Attribute)
+            }
+            for name in sorted(names & ENGINE_CLASSES):
+                found.append(f"line {node.lineno}: {node.func.id}(..., {name})")
+        elif (
+            isinstance(node, ast.Attribute)
+            and node.attr == "fsdp"
+            and not ast.unparse(node).startswith(f"{PACKAGE}.")  # a module path, not a field
+        ):
+            found.append(f"line {node.lineno}: .fsdp")
+    return found
+
+
+def test_engine_lookup_checker_finds_class_tests():
+    source = (
+        "if isinstance(model, (nn.Linear, tandem.parallel.fsdp.FullyShardedDataParallel)):\n"
+        "    x = engine.fsdp\n"
+        "ok = isinstance(engine, Engine)\n"
+    )
+    assert engine_lookups(source) == [
+        "line 1: isinstance(..., FullyShardedDataParallel)",
+        "line 2: .fsdp",
+    ]
+
+
+def test_nothing_outside_parallel_asks_which_engine_it_holds():
+    wrong = [
+        f"{path.relative_to(SRC)} {lookup}"
+        for name, path in module_files().items()
+        if not _under(name, "parallel")
+        for lookup in engine_lookups(path.read_text(), str(path))
+    ]
+    assert not wrong, "ask the Engine or its adapters instead:\n" + "\n".join(wrong)
+
+
+def _run(code: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-W", "ignore::DeprecationWarning", "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+
+
+def test_the_launchers_modules_import_no_torch():
+    # tandem run imports these before any worker starts: torch would cost seconds per launch.
+    launcher = sorted(
+        name
+        for name in module_files()
+        if any(_under(name, p) for p in ("launch", "job", "cli")) and not name.endswith("__main__")
+    )
+    result = _run(
+        "import importlib, sys\n"
+        f"for name in {launcher!r}:\n"
+        "    importlib.import_module(name)\n"
+        "    assert 'torch' not in sys.modules, name + ' imports torch'\n"
+    )
+    assert result.returncode == 0, result.stderr
+
+
+def test_every_module_imports_first_in_a_fresh_interpreter():
+    # Each module is imported with no tandem module loaded before it (torch stays loaded, to
+    # keep this to one process): an import order that only works after another module ran
+    # fails here.
+    modules = sorted(name for name in module_files() if not name.endswith("__main__"))
+    result = _run(
+        "import importlib, sys, torch\n"
+        f"for name in {modules!r}:\n"
+        "    for loaded in [m for m in sys.modules if m == 'tandem' or m.startswith('tandem.')]:\n"
+        "        del sys.modules[loaded]\n"
+        "    try:\n"
+        "        importlib.import_module(name)\n"
+        "    except Exception as e:\n"
+        "        raise SystemExit(f'{name}: {type(e).__name__}: {e}')\n"
+    )
+    assert result.returncode == 0, result.stderr
 
 
 def test_launch_imports_nothing_from_data():

@@ -43,6 +43,8 @@ from tandem.checkpoint.shards import shard_path
 from tandem.data import DistributedSampler
 from tests.harness import run_ranks
 
+pytestmark = pytest.mark.distributed
+
 X = torch.randn(26, 6, generator=torch.Generator().manual_seed(0))
 Y = (X[:, 0] > 0).long() + (X[:, 1] > 0.3).long()
 BATCH = 3

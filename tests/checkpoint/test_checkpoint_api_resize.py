@@ -5,7 +5,7 @@ epoch (12 of the 48 samples trained on; 48 and the 36 left divide by 1, 2 and 3:
 
 - tandem.DDP, ``kind="full"``, its data through a :class:`tandem.data.StatefulLoader` (in the
   rank's process: the harness's ranks cannot start workers; that its state counts batches
-  yielded, not drawn, is tests/unit/test_stateful_loader.py's);
+  yielded, not drawn, is tests/data/test_stateful_loader.py's);
 - FSDP stage 3 (units of 25 and 18 elements, cut into other slices and paddings at every world
   size), ``kind="sharded"``, a :class:`tandem.data.DistributedSampler`;
 - tandem.ShardedOptimizer over tandem.DDP, ``kind="sharded"`` (other owners at every world
@@ -52,6 +52,8 @@ import tandem
 import tandem.checkpoint as ckpt
 from tandem.data import DistributedSampler, StatefulLoader
 from tests.harness import run_ranks
+
+pytestmark = pytest.mark.distributed
 
 N = 48
 BATCH = 3

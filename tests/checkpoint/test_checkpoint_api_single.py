@@ -1,6 +1,7 @@
 """tandem.checkpoint in one process: round trips, the checks made before loading, files, export.
 
-Proven (one process, no process group; the collective paths are in tests/distributed/):
+Proven (one process, no process group; the collective paths are in
+tests/checkpoint/test_checkpoint_api.py):
 
 - a hand-written loop (dropout, AdamW, a scheduler, a GradScaler, tandem's sampler, ``RNG()``
   drawn from through torch, Python and NumPy, plain values) saved mid-epoch and loaded into

@@ -8,7 +8,7 @@ Proven (2 ranks, Gloo; the file is read back in this process, without a process 
   writes a file that ``safetensors.torch.load_file`` reads into the unwrapped model with
   ``load_state_dict(strict=True)``, every tensor equal (``torch.equal``) to the trained
   model's;
-- (``tandem.checkpoint.save`` files and live models: tests/distributed/test_checkpoint_api.py.)
+- (``tandem.checkpoint.save`` files and live models: tests/checkpoint/test_checkpoint_api.py.)
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ from tandem.checkpoint.run_dir import latest_checkpoint
 from tandem.cli import main as cli
 from tandem.train.trainer import Trainer
 from tests.harness import run_ranks
+
+pytestmark = pytest.mark.distributed
 
 SETUPS = [("ddp", "full"), ("zero1", "sharded"), ("fsdp3", "sharded"), ("fsdp2", "full")]
 

@@ -50,11 +50,11 @@ import tandem
 from tandem.doctor import records
 from tandem.parallel.ddp.comm_hooks import bf16_compress_hook, fp16_compress_hook
 from tandem.parallel.ddp.end_of_backward import UnusedParametersError
+from tests import models
 from tests.cuda import gpu
-from tests.distributed import models
 from tests.harness import run_ranks
 
-pytestmark = pytest.mark.cuda
+pytestmark = [pytest.mark.cuda, pytest.mark.distributed]
 
 STEPS = 4
 PER_RANK = 6
@@ -68,7 +68,7 @@ MiB = 1024 * 1024
 class Branchy(nn.Module):
     """A trunk and two heads; ``use`` picks the heads, so some parameters sit out some steps.
 
-    tests.distributed.models.Branchy creates its zeros on the CPU; these follow the input.
+    tests.models.Branchy creates its zeros on the CPU; these follow the input.
     """
 
     def __init__(self, never: bool = True) -> None:

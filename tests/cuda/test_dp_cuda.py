@@ -19,7 +19,7 @@ The oracle is the module itself, a deep copy of the wrapped one, called on the w
 With several replicas the batch is cut into slices (7 samples: 4 + 3, or fewer per GPU), so
 each weight gradient is a sum of per-slice products, rounded in another order than the whole
 batch's, and cuBLAS may pick other kernels for the smaller shapes: there the values agree within
-1e-12 in float64, the tolerance of tests/unit/test_dp.py (which is never bitwise), while
+1e-12 in float64, the tolerance of tests/parallel/dp/test_dp.py (which is never bitwise), while
 ``last_replicas`` is min(replicas, batch) and the balanced mode gathers one float64 per replica
 (``last_gathered_bytes``) where the plain forward gathers the whole output. The input comes from
 the CPU, as a DataLoader gives it; its gradient comes back there. Replicas run under the caller's
@@ -41,12 +41,12 @@ from torch import nn
 
 from tandem.parallel.dp.wrapper import DataParallel
 from tests.cuda import gpu
-from tests.unit.test_dp import mlp  # the CPU test's model
+from tests.parallel.dp.test_dp import mlp  # the CPU test's model
 
 pytestmark = pytest.mark.cuda
 
 EXACT = {"atol": 0.0, "rtol": 0.0}
-TOL = {"atol": 1e-12, "rtol": 0.0}  # tests/unit/test_dp.py's, float64
+TOL = {"atol": 1e-12, "rtol": 0.0}  # tests/parallel/dp/test_dp.py's, float64
 LAYOUTS = ("one", "shared", "every")
 
 

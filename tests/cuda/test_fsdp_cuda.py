@@ -7,19 +7,19 @@ Oracles, run side by side in the same ranks on the same device, from the same se
    ``reshard_after_forward=True``, stage 2 against ``reshard_after_forward=False``; an MLP and
    a model with tied weights; SGD (momentum, weight decay) and AdamW; 5 steps. Every step's
    loss on every rank and every final parameter are ``torch.equal`` to FSDP2's (the CPU proof
-   and its reasoning: tests/distributed/test_fsdp_torch_parity.py; bitwise at world size 2
+   and its reasoning: tests/parallel/fsdp/test_fsdp_torch_parity.py; bitwise at world size 2
    because each reduced element is the sum of two addends, which commute, divided by 2, which
    is exact).
 2. Mixed precision, ``param_dtype=bfloat16, reduce_dtype=float32`` (tandem's policy) against
    ``MixedPrecisionPolicy(...)`` of the same fields on every ``fully_shard``, stages 3 and 2,
    both models, AdamW; and ``reduce_dtype=None`` (reduced in bfloat16, torch's default) with
    SGD: losses, output dtypes and final float32 master parameters ``torch.equal`` to FSDP2's,
-   as on the CPU (tests/distributed/test_fsdp_mixed_precision.py); every all-gather tandem
+   as on the CPU (tests/parallel/fsdp/test_fsdp_mixed_precision.py); every all-gather tandem
    sends is bfloat16, every reduce-scatter the reduce dtype, the shards stay float32.
 3. ShardedOptimizer (ZeRO-1, under tandem.DDP) against torch's ``ZeroRedundancyOptimizer``
    (under tandem.DDP too), Adam and AdamW, 5 steps: both end bitwise equal to each other and
    to the plain optimizer run in one process on the whole batch (a model whose gradients are
-   exact, as in tests/distributed/test_zero.py); each parameter's state lives on one rank.
+   exact, as in tests/parallel/test_zero.py); each parameter's state lives on one rank.
 4. World size 1 over NCCL (a real GPU): FSDP stage 3 and 2 against ``fully_shard``, float32
    and bfloat16, bitwise.
 
@@ -74,8 +74,8 @@ import tandem.parallel.fsdp.flat as flat
 from tandem.parallel.fsdp.precision import MixedPrecisionPolicy
 from tandem.parallel.zero import ShardedOptimizer
 from tests.cuda import gpu
-from tests.fsdp_models import FSDP, OPTIMIZERS, gathered_tensors, seeded
 from tests.harness import run_ranks
+from tests.parallel.fsdp.models import FSDP, OPTIMIZERS, gathered_tensors, seeded
 
 try:  # FSDP2: public from torch 2.6 on
     from torch.distributed.fsdp import MixedPrecisionPolicy as TorchPolicy
@@ -83,7 +83,7 @@ try:  # FSDP2: public from torch 2.6 on
 except ImportError:
     pytest.skip("this torch has no FSDP2 (fully_shard)", allow_module_level=True)
 
-pytestmark = pytest.mark.cuda
+pytestmark = [pytest.mark.cuda, pytest.mark.distributed]
 
 STEPS = 5
 PER_RANK = 4

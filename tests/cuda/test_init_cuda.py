@@ -10,7 +10,7 @@ Proves:
   group, and that lone World is already on ``cuda:0`` with no backend; two ranks where there
   are two GPUs). A local rank past the visible GPUs is refused, naming ``LOCAL_RANK`` and the
   count;
-- on NCCL every collective leaves a record, as tests/distributed/test_records.py proves on Gloo:
+- on NCCL every collective leaves a record, as tests/doctor/test_records.py proves on Gloo:
   the user's own ``dist.all_reduce`` with this file's line, its shapes and dtypes; per group
   numbered from 1 without gaps, a subgroup on its own; every record ended once the GPU has
   finished (an asynchronous one once its work is done); none waited for in slices (that is
@@ -21,7 +21,7 @@ Proves:
   ``torch.cuda._sleep`` before it) is waited for whole, and gives its sum, by ``records.wait``
   and by the wait tandem.DDP's reducer uses for its buckets (``lockstep.wait``, which waits in
   slices to survey the ranks): a slice that runs out must not end the collective;
-- a hang report with CUDA tensors, as tests/distributed/test_hang_report.py proves on the CPU:
+- a hang report with CUDA tensors, as tests/doctor/test_hang_report.py proves on the CPU:
   rank 1 sleeps in a function of this file while rank 0 waits (in the user's all-reduce, in
   tandem.DDP's bucket rebuild at the next forward, or in its bucket all-reduces during
   backward); within seconds rank 0's report says "rank 1 never entered <op> #<n>", names the
@@ -91,6 +91,7 @@ def _init_body() -> dict:
     return out
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("world", _nccl_worlds())
 def test_init_picks_nccl_and_the_local_ranks_gpu(world):
     results = run_ranks(_init_body, world, init=None, env=gpu.env(), timeout=120)
@@ -153,6 +154,7 @@ def _recorded_on_nccl() -> dict:
     return result
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("world", _nccl_worlds())
 def test_every_collective_is_recorded_on_nccl(world):
     results = run_ranks(_recorded_on_nccl, world, init=None, env=gpu.env(), timeout=120)
@@ -214,6 +216,7 @@ def _slow_collectives() -> dict:
     return out
 
 
+@pytest.mark.distributed
 @gpu.needs_real_gpu("NCCL")
 def test_waits_on_an_nccl_collective_that_ends_late_return_its_sum():
     (result,) = run_ranks(_slow_collectives, 1, init=None, env=gpu.env(), timeout=120)
@@ -306,6 +309,7 @@ def _backends():
     ]
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("backend", _backends())
 @pytest.mark.parametrize("kind", list(_STUCK))
 def test_hung_peer_with_cuda_tensors_is_named(tmp_path, capfd, kind, backend):

@@ -11,7 +11,7 @@ to pinned memory and read at the next forward) is what differs from the CPU; at 
 model stays plain and there is nothing of the engine to check. The fp16 skip count runs at one
 rank, as on the CPU.
 
-Proves (mirroring tests/distributed/test_trainer_precision.py and test_trainer_resume.py):
+Proves (mirroring tests/train/test_trainer_precision.py and test_trainer_resume.py):
 
 - ``precision="bf16-mixed"``, ``"fp16-mixed"`` (its ``GradScaler("cuda")`` made by the Trainer)
   and ``"bf16-true"``, with gradient accumulation (2 micro-batches) and a binding
@@ -54,18 +54,18 @@ from torch.utils.data import TensorDataset
 
 from tandem.train.trainer import Trainer
 from tests.cuda import gpu
+from tests.harness import run_ranks
 
 # The CPU test's data, model, optimizer and Trainer: the same run, on the GPU here.
-from tests.distributed.test_trainer_precision import (
+from tests.train.test_trainer_precision import (
     ACCUM,
     BATCH,
     EPOCHS,
     _hand_loop,
     _trainer,
 )
-from tests.harness import run_ranks
 
-pytestmark = pytest.mark.cuda
+pytestmark = [pytest.mark.cuda, pytest.mark.distributed]
 
 WORLD = 2
 PRECISIONS = ("bf16-mixed", "fp16-mixed", "bf16-true")

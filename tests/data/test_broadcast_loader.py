@@ -197,6 +197,7 @@ def _disagreeing_leaders() -> str:
 # --- tests -------------------------------------------------------------------------------------
 
 
+@pytest.mark.distributed
 def test_broadcast_mode_gives_every_member_its_groups_batches():
     results = run_ranks(_broadcast_mode, world_size=4, timeout=60)
     for rank, r in enumerate(results):
@@ -213,6 +214,7 @@ def test_broadcast_mode_gives_every_member_its_groups_batches():
     assert len(shapes) > 1, f"the test needs batches of varying shape, got {shapes}"
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("grouped", [False, True], ids=["world", "two-groups"])
 def test_scatter_mode_gives_every_rank_its_own_batches(grouped):
     results = run_ranks(_scatter_mode, world_size=4, args=(grouped,), timeout=60)
@@ -231,6 +233,7 @@ def test_scatter_mode_gives_every_rank_its_own_batches(grouped):
         assert len({r["len"] for r in results}) > 1
 
 
+@pytest.mark.distributed
 def test_an_error_of_the_leaders_loader_is_raised_on_every_rank():
     results = run_ranks(_failing, world_size=4, timeout=30)
     for rank, messages in enumerate(results):
@@ -249,6 +252,7 @@ def test_an_error_of_the_leaders_loader_is_raised_on_every_rank():
                 assert "for rank 2" in message, where
 
 
+@pytest.mark.distributed
 def test_ranks_that_disagree_on_the_leader_raise_on_every_rank():
     messages = run_ranks(_disagreeing_leaders, world_size=2, timeout=30)
     for message in messages:

@@ -24,8 +24,8 @@ from torch.utils.data import DataLoader, DistributedSampler, Sampler, TensorData
 
 from tandem import metrics
 from tandem.data import EvalSampler
-from tests.distributed.models import mlp
 from tests.harness import run_ranks
+from tests.models import mlp
 
 N = 10
 RIGHT = (0, 1, 2, 5)  # the samples the labels make the model get right
@@ -142,6 +142,7 @@ def _check_ranks(results: list[dict]) -> None:
         _assert_matches(got["small"], want_small)
 
 
+@pytest.mark.distributed
 @pytest.mark.timeout(60)
 def test_four_ranks_equal_one_process_and_torch_padding_is_biased() -> None:
     results = run_ranks(_body, world_size=4, args=_data())
@@ -159,6 +160,7 @@ def test_four_ranks_equal_one_process_and_torch_padding_is_biased() -> None:
         assert "indices [0, 1] were evaluated more than once" in got["torch"]["gather_error"]
 
 
+@pytest.mark.distributed
 @pytest.mark.timeout(60)
 def test_two_ranks_equal_one_process() -> None:
     _check_ranks(run_ranks(_body, world_size=2, args=_data()))

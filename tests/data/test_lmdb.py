@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader
 from tandem.cli.lmdb import register
 from tandem.data.lmdb import LMDBDataset, convert_to_lmdb
 from tandem.data.lmdb_codec import decode_sample, encode_sample
-from tests.unit.lmdb_data import N_SAMPLES, MixedDataset, assert_same, make_sample
+from tests.data.lmdb_data import N_SAMPLES, MixedDataset, assert_same, make_sample
 
 
 @pytest.fixture(scope="module")
@@ -200,7 +200,7 @@ def _run_cli(argv):
 
 
 @pytest.mark.parametrize(
-    "spec", ["tests.unit.lmdb_data:mixed_dataset", "tests.unit.lmdb_data:SMALL"]
+    "spec", ["tests.data.lmdb_data:mixed_dataset", "tests.data.lmdb_data:SMALL"]
 )
 def test_cli_convert_and_info(tmp_path, capsys, spec):
     out = tmp_path / "cli.lmdb"
@@ -218,10 +218,10 @@ def test_cli_convert_and_info(tmp_path, capsys, spec):
 @pytest.mark.parametrize(
     ("spec", "message"),
     [
-        ("tests.unit.lmdb_data", "must be MODULE:NAME"),
-        ("tests.unit.no_such_module:x", "cannot import 'tests.unit.no_such_module'"),
-        ("tests.unit.lmdb_data:nothing", "has no attribute 'nothing'"),
-        ("tests.unit.lmdb_data:N_SAMPLES", "gave a int, not a map-style data set"),
+        ("tests.data.lmdb_data", "must be MODULE:NAME"),
+        ("tests.data.no_such_module:x", "cannot import 'tests.data.no_such_module'"),
+        ("tests.data.lmdb_data:nothing", "has no attribute 'nothing'"),
+        ("tests.data.lmdb_data:N_SAMPLES", "gave a int, not a map-style data set"),
     ],
 )
 def test_cli_reports_bad_dataset_spec(tmp_path, capsys, spec, message):
@@ -318,7 +318,7 @@ def test_tandem_command_converts(tmp_path):
         "lmdb",
         "convert",
         "--dataset",
-        "tests.unit.lmdb_data:SMALL",
+        "tests.data.lmdb_data:SMALL",
         "--out",
         str(out),
         "--no-progress",

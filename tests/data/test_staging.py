@@ -16,6 +16,8 @@ import pytest
 
 from tests.harness import RankFailure, run_ranks
 
+pytestmark = pytest.mark.distributed
+
 
 def _tree(root: Path) -> dict[str, bytes]:
     return {p.relative_to(root).as_posix(): p.read_bytes() for p in root.rglob("*") if p.is_file()}

@@ -1,6 +1,6 @@
 """A job deadlocked in user code, with no collective in flight, is reported; signals still end it.
 
-Real launches (``tandem run``, two workers, tests/launch/deadlock_worker.py): after one
+Real launches (``tandem run``, two workers, tests/doctor/deadlock_worker.py): after one
 all-reduce, rank 0 waits on a ``threading.Event`` that nobody sets and rank 1 sleeps. No
 collective is open, so no timeout will ever end the job. With ``hang_report_after=2``:
 
@@ -27,6 +27,8 @@ from pathlib import Path
 import pytest
 
 from tests.launching import clean_env
+
+pytestmark = pytest.mark.launch
 
 WORKER = str(Path(__file__).with_name("deadlock_worker.py"))
 

@@ -29,6 +29,8 @@ import tandem
 from tandem.doctor.records import CollectiveMismatchError
 from tests.harness import run_ranks
 
+pytestmark = pytest.mark.distributed
+
 CASES = [
     ("shape", "all_reduce of float32 (3,)", "all_reduce of float32 (5,)"),
     ("dtype", "all_reduce of float32 (4,)", "all_reduce of float64 (4,)"),

@@ -20,6 +20,8 @@ import pytest
 
 from tests.launching import clean_env
 
+pytestmark = pytest.mark.launch
+
 HERE = Path(__file__).parent
 
 

@@ -78,10 +78,12 @@ def _check(tmp_path: Path, kind: str, capfd) -> None:
     assert printed.count("tandem: rank 0 has waited") <= 1
 
 
+@pytest.mark.distributed
 def test_hung_peer_in_user_collective_is_named(tmp_path, capfd):
     _check(tmp_path, "user", capfd)
 
 
+@pytest.mark.distributed
 def test_hung_peer_in_ddp_step_is_named(tmp_path, capfd):
     _check(tmp_path, "ddp", capfd)
 

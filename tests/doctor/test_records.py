@@ -30,6 +30,8 @@ import tandem
 from tandem.doctor import mismatch, records
 from tests.harness import run_ranks
 
+pytestmark = pytest.mark.distributed
+
 
 def _train_and_talk() -> dict:
     torch.manual_seed(0)

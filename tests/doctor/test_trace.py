@@ -130,6 +130,7 @@ def _check_nesting(complete: list[dict]) -> None:
             open_ends.append(end)
 
 
+@pytest.mark.launch
 @pytest.mark.timeout(200)
 def test_tandem_run_trace_of_a_trainer_run(tmp_path):
     traces = tmp_path / "traces"
@@ -193,6 +194,7 @@ def _traced_trainer(directory: str) -> int:
     return trainer.train().steps
 
 
+@pytest.mark.distributed
 @pytest.mark.timeout(120)
 def test_a_trainer_with_trace_merges_every_rank(tmp_path):
     assert run_ranks(_traced_trainer, 2, args=(str(tmp_path),), timeout=100) == [4, 4]
@@ -220,6 +222,7 @@ def _traced_fsdp(directory: str) -> None:
     trace.stop()
 
 
+@pytest.mark.distributed
 @pytest.mark.timeout(120)
 def test_a_traced_fsdp_step_shows_its_units(tmp_path):
     run_ranks(_traced_fsdp, 2, args=(str(tmp_path),), timeout=100)
@@ -241,6 +244,7 @@ def test_a_traced_fsdp_step_shows_its_units(tmp_path):
 _SUMMARY = re.compile(r"rank (\d): 24 steps, ([\d.]+) ms; waiting ([\d.]+) ms")
 
 
+@pytest.mark.launch
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("extra", [0.05, 0.0], ids=["rank 1 slower", "even"])
 def test_the_exit_summary_names_a_slow_rank_and_only_then(tmp_path, extra):

@@ -17,6 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from tandem.checkpoint.run_dir import list_checkpoints
@@ -60,11 +61,13 @@ def test_untrained_network_is_near_chance():
         assert (model(x).argmax(-1) == y).float().mean().item() < 0.3
 
 
+@pytest.mark.launch
 def test_one_process(tmp_path):
     command = [sys.executable, "-m", "tandem.examples.digits", "--run-dir", str(tmp_path)]
     _run_and_check(command, tmp_path, processes=1)
 
 
+@pytest.mark.launch
 def test_two_processes_under_tandem_run(tmp_path):
     command = tandem_run_module("tandem.examples.digits", "--run-dir", str(tmp_path))
     _run_and_check(command, tmp_path, processes=2)

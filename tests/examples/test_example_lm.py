@@ -20,6 +20,7 @@ import math
 import re
 import subprocess
 
+import pytest
 import torch
 
 from tandem.checkpoint.run_dir import list_checkpoints
@@ -74,6 +75,7 @@ def test_untrained_model_guesses_uniformly():
     assert abs(_untrained_eval_loss() - math.log(len(VOCAB))) < 0.05
 
 
+@pytest.mark.launch
 def test_two_processes_under_tandem_run_bf16_loss_falls(tmp_path):
     command = tandem_run_module("tandem.examples.lm", *ARGS, "--run-dir", str(tmp_path))
     done = subprocess.run(

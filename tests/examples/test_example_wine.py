@@ -16,6 +16,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
+import pytest
 import torch
 
 from tandem.examples.wine import accuracy, load_data, make_model
@@ -70,11 +71,13 @@ def test_untrained_network_is_far_below_the_threshold():
     assert accuracy(make_model(), x_test, y_test) < MIN_ACCURACY - 0.2
 
 
+@pytest.mark.launch
 def test_one_process():
     command = [sys.executable, "-m", "tandem.examples.wine", "--epochs", str(EPOCHS)]
     _check_trained(_run(command, timeout=120), processes=1)
 
 
+@pytest.mark.launch
 def test_two_processes_under_torchrun():
     command = [
         sys.executable,
@@ -92,6 +95,7 @@ def test_two_processes_under_torchrun():
     _check_trained(_run(command, timeout=180), processes=2)
 
 
+@pytest.mark.launch
 def test_two_processes_under_tandem_run():
     command = tandem_run_module("tandem.examples.wine", "--epochs", str(EPOCHS))
     _check_trained(_run(command, timeout=180), processes=2)

@@ -157,6 +157,7 @@ def _worlds(text: str) -> list[tuple[int, int, int, int]]:
     return sorted(tuple(int(v) for v in row) for row in found)  # type: ignore[misc]
 
 
+@pytest.mark.launch
 @pytest.mark.timeout(60)
 def test_one_node_of_1_2_starts_alone_after_the_last_call(nodes, tmp_path):
     node0, _ = nodes
@@ -175,6 +176,7 @@ def test_one_node_of_1_2_starts_alone_after_the_last_call(nodes, tmp_path):
     assert took >= LAST_CALL_S, f"started before the last call ended ({took:.1f} s)\n{text}"
 
 
+@pytest.mark.launch
 @pytest.mark.timeout(60)
 def test_two_nodes_of_1_2_there_at_once_run_as_one_job(nodes, tmp_path):
     node0, node1 = nodes
@@ -201,6 +203,7 @@ def _resumed(text: str) -> list[tuple[int, int, int, int]]:
     return [tuple(int(v) for v in row) for row in found]  # type: ignore[misc]
 
 
+@pytest.mark.launch
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("mode", ["training", "idle-workers", "trainer"])
 def test_a_node_killed_mid_run_and_node_0_reforms_alone_and_resumes(nodes, tmp_path, mode):
@@ -247,6 +250,7 @@ def test_a_node_killed_mid_run_and_node_0_reforms_alone_and_resumes(nodes, tmp_p
     assert f"DONE world 1 step {STEPS}" in text, text
 
 
+@pytest.mark.launch
 @pytest.mark.timeout(90)
 def test_a_node_arriving_later_is_admitted_at_a_restart_that_is_not_counted(nodes, tmp_path):
     node0, node1 = nodes
@@ -277,6 +281,7 @@ def test_a_node_arriving_later_is_admitted_at_a_restart_that_is_not_counted(node
     assert f"DONE world 2 step {STEPS}" in text, text
 
 
+@pytest.mark.launch
 @pytest.mark.timeout(60)
 def test_a_job_short_of_min_nodes_fails_at_join_timeout_naming_the_counts(tmp_path):
     script = tmp_path / "never.py"
@@ -295,6 +300,7 @@ def test_a_job_short_of_min_nodes_fails_at_join_timeout_naming_the_counts(tmp_pa
     assert 2 <= took < 20, took
 
 
+@pytest.mark.launch
 @pytest.mark.timeout(60)
 def test_the_store_hosts_death_ends_the_job_on_the_other_node(nodes, tmp_path):
     """As with torch's c10d: node 0 hosts the store, and nothing re-forms without it."""

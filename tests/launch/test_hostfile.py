@@ -43,6 +43,8 @@ import pytest
 from tests.launch.netns import Node, can_make_namespaces, two_nodes
 from tests.launch.sshd import Servers, leftovers, ssh_servers, sshd_missing
 
+pytestmark = pytest.mark.launch
+
 REPO = Path(__file__).resolve().parents[2]
 TRAIN = Path(__file__).with_name("train_nodes.py")
 # An address on the nodes' subnet with no machine behind it: ARP gets no answer.

@@ -32,6 +32,8 @@ import pytest
 
 from tests.launch.netns import Node, can_make_namespaces, two_nodes
 
+pytestmark = pytest.mark.launch
+
 NNODES = 2
 NPROC_PER_NODE = 2
 WORLD_SIZE = NNODES * NPROC_PER_NODE

@@ -29,7 +29,7 @@ TIMEOUT_S = 4.0
 # Every process must be done by then: the rendezvous timeout, plus starting Python and torch.
 DONE_WITHIN_S = TIMEOUT_S + 20.0
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.distributed]
 
 
 def _start(

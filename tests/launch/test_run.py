@@ -55,6 +55,7 @@ def _env_lines(stdout: str) -> dict[int, dict]:
     return found
 
 
+@pytest.mark.launch
 def test_workers_get_torchruns_environment(tmp_path):
     ours = _env_lines(tandem_run("--nproc-per-node", "3", WORKERS, "env").stdout)
     port = str(free_port())
@@ -94,6 +95,7 @@ def test_workers_get_torchruns_environment(tmp_path):
     assert len({env["MASTER_PORT"] for env in ours.values()}) == 1
 
 
+@pytest.mark.launch
 def test_unmodified_torchrun_script_and_prefixes():
     result = tandem_run("--nproc-per-node", "2", WORKERS, "torchrun_script")
     assert result.returncode == 0, result.stderr
@@ -101,12 +103,14 @@ def test_unmodified_torchrun_script_and_prefixes():
     assert lines == ["[rank 0] SUM 1.0 WORLD 2 RANK 0", "[rank 1] SUM 1.0 WORLD 2 RANK 1"]
 
 
+@pytest.mark.launch
 def test_rank_filter_shows_chosen_ranks_only():
     result = tandem_run("--nproc-per-node", "3", "--ranks", "1", WORKERS, "env")
     assert result.returncode == 0
     assert sorted(_env_lines(result.stdout)) == [1]
 
 
+@pytest.mark.launch
 def test_first_failure_stops_the_others_and_is_summarized():
     start = time.monotonic()
     result = tandem_run("--nproc-per-node", "3", WORKERS, "fail", "1")
@@ -119,6 +123,7 @@ def test_first_failure_stops_the_others_and_is_summarized():
     assert "ValueError: boom on rank 1" in err.split("failed first")[1]  # in the summary's tail
 
 
+@pytest.mark.launch
 def test_sigkill_is_named_with_its_likely_cause():
     result = tandem_run("--nproc-per-node", "2", WORKERS, "kill9", "0")
     assert result.returncode == 128 + signal.SIGKILL
@@ -169,6 +174,7 @@ def _start_lingering(token: str, nproc: int = 2) -> subprocess.Popen:
     return launcher
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_signals_reach_every_worker_and_leave_no_orphans(signum):
     token = f"tandem-test-{uuid.uuid4().hex}"
@@ -186,6 +192,7 @@ def test_signals_reach_every_worker_and_leave_no_orphans(signum):
     assert _processes_with(token) == [], "orphans left behind"
 
 
+@pytest.mark.launch
 def test_killed_launcher_takes_its_workers_along():
     token = f"tandem-test-{uuid.uuid4().hex}"
     launcher = _start_lingering(token, nproc=2)
@@ -206,6 +213,7 @@ def test_killed_launcher_takes_its_workers_along():
         os.kill(pid, signal.SIGKILL)
 
 
+@pytest.mark.launch
 def test_max_restarts_restarts_everyone_with_a_fresh_rendezvous():
     result = tandem_run("--nproc-per-node", "2", "--max-restarts", "2", WORKERS, "restart")
     assert result.returncode == 0, result.stderr
@@ -216,12 +224,14 @@ def test_max_restarts_restarts_everyone_with_a_fresh_rendezvous():
     assert "restarting all workers (restart 1 of 2)" in result.stderr
 
 
+@pytest.mark.launch
 def test_restarts_exhausted_report_the_failure():
     result = tandem_run("--nproc-per-node", "2", "--max-restarts", "1", WORKERS, "fail", "0")
     assert result.returncode == 1
     assert result.stderr.count("failed first") == 2
 
 
+@pytest.mark.launch
 def test_port_in_use_is_named():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -232,6 +242,7 @@ def test_port_in_use_is_named():
     assert f"--master-port {port} is already in use" in result.stderr
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -251,6 +262,7 @@ def test_bad_arguments(args, message):
     assert message in result.stderr
 
 
+@pytest.mark.launch
 def test_missing_script_and_module():
     result = tandem_run("--nproc-per-node", "2", "no_such_script.py")
     assert result.returncode == 2 and "script 'no_such_script.py' not found" in result.stderr
@@ -292,6 +304,7 @@ def _two_nodes(worker_args: list[str], extra: list[str] = ()) -> list[subprocess
     ]
 
 
+@pytest.mark.launch
 def test_two_nodes_on_loopback_meet_and_number_ranks():
     results = _two_nodes(["torchrun_script"])
     for r in results:
@@ -302,6 +315,7 @@ def test_two_nodes_on_loopback_meet_and_number_ranks():
     assert "[rank 2]" in results[1].stdout and "[rank 2]" not in results[0].stdout
 
 
+@pytest.mark.launch
 def test_one_nodes_failure_stops_the_other_node():
     start = time.monotonic()
     results = _two_nodes(["fail", "3"])
@@ -311,6 +325,7 @@ def test_one_nodes_failure_stops_the_other_node():
         assert "rank 3 (local rank 1" in r.stderr
 
 
+@pytest.mark.launch
 def test_a_node_that_never_joins_is_named():
     port = str(free_port())
     result = tandem_run(
@@ -339,10 +354,11 @@ def test_launcher_does_not_import_torch():
     assert out.stdout.strip() == "False"
 
 
+@pytest.mark.launch
 def test_the_hang_report_works_under_torchrun(tmp_path):
     # The same job under torch's own launcher: the report goes through torchrun's store (the
     # agent's), names rank 1 and its line, and is written where TANDEM_REPORT_DIR says.
-    worker = str(Path(__file__).with_name("hang_worker.py"))
+    worker = str(HERE.parent / "doctor" / "hang_worker.py")
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
          "--master-port", str(free_port()), worker],
@@ -358,6 +374,7 @@ def test_the_hang_report_works_under_torchrun(tmp_path):
     assert "hang_worker.py:12 in read_forever" in report["text"], report["text"]
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize(("term_timeout", "saved"), [(None, True), ("1", False)])
 def test_sigterm_gives_workers_the_term_timeout_to_finish(term_timeout, saved):
     # Workers that need 3 s after SIGTERM (a checkpoint being written): the default 30 s lets

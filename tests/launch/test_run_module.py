@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.launch
+
 # The `tandem` console script's situation: the current directory is not on sys.path (as
 # `python -m tandem.cli` would put it, hiding the bug).
 TANDEM_SCRIPT = [

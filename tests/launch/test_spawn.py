@@ -40,6 +40,7 @@ def _sum_of_ranks(rank: int, scale: float) -> tuple[int, float]:
     return rank, t.item() * scale
 
 
+@pytest.mark.launch
 def test_spawn_returns_results_in_rank_order():
     assert tandem.spawn(_sum_of_ranks, nprocs=3, args=(2.0,)) == [(0, 6.0), (1, 6.0), (2, 6.0)]
 
@@ -54,6 +55,7 @@ def _one_rank_raises(rank: int) -> None:
     dist.all_reduce(torch.ones(1))  # blocks forever: rank 1 never joins
 
 
+@pytest.mark.launch
 def test_failure_stops_the_others_and_raises_the_traceback():
     start = time.monotonic()
     with pytest.raises(SpawnError) as info:
@@ -70,6 +72,7 @@ def _one_rank_dies(rank: int) -> None:
     time.sleep(60)
 
 
+@pytest.mark.launch
 def test_a_rank_killed_by_a_signal_is_named():
     start = time.monotonic()
     with pytest.raises(SpawnError, match="rank 0 died without a traceback: killed by SIGKILL"):
@@ -142,6 +145,7 @@ def _run_interactive(*flags: str) -> subprocess.CompletedProcess:
     return done
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("flags", [(), ("no-cloudpickle",)], ids=["cloudpickle", "fork"])
 def test_function_defined_in_python_stdin_runs(flags):
     if not flags:
@@ -151,6 +155,7 @@ def test_function_defined_in_python_stdin_runs(flags):
     assert "RESULT [6.0, 6.0]" in done.stdout
 
 
+@pytest.mark.launch
 def test_unshippable_unforkable_function_fails_at_once_saying_what_to_do():
     done = _run_interactive("no-cloudpickle", "thread")
     assert done.returncode == 3, done.stdout + done.stderr

@@ -169,6 +169,7 @@ def test_std_bits_match_torchs():
     assert (Std.OUT.value, Std.ERR.value) == (STD_OUT, STD_ERR)
 
 
+@pytest.mark.launch
 def test_log_dir_redirects_and_filter_in_a_real_run(tmp_path):
     result = tandem_run(
         "--nproc-per-node=3",
@@ -206,6 +207,7 @@ EXPLAINED = {
 }
 
 
+@pytest.mark.launch
 def test_workers_get_all_of_torchruns_environment(tmp_path):
     script = tmp_path / "dump_env.py"
     script.write_text(DUMP_ENV)
@@ -236,6 +238,7 @@ def test_workers_get_all_of_torchruns_environment(tmp_path):
         assert ours["ROLE_NAME"] == "trainer" and ours["TORCHELASTIC_RUN_ID"] == "456"
 
 
+@pytest.mark.launch
 def test_the_ddp_tutorials_c10d_command_on_two_nodes():
     port = free_port()
     flags = ["--nnodes=2", "--nproc-per-node=2", "--rdzv-id=456", "--rdzv-backend=c10d",
@@ -258,6 +261,7 @@ def test_the_ddp_tutorials_c10d_command_on_two_nodes():
     assert sorted(ranks) == [[0, 1], [2, 3]]
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -309,6 +313,7 @@ def test_pet_variables_are_defaults_as_under_torchrun(monkeypatch):
     assert build_parser().parse_args(["run", "--nnodes", "4", "t.py"]).nnodes == "4"
 
 
+@pytest.mark.launch
 def test_nnodes_min_max_on_one_node_starts_with_min():
     result = tandem_run("--nnodes=1:2", "--standalone", "--nproc-per-node=2", WORKERS, "env")
     assert result.returncode == 0, result.stderr
@@ -316,6 +321,7 @@ def test_nnodes_min_max_on_one_node_starts_with_min():
     assert "--nnodes 1:2: the job starts with 1 node(s)" in result.stderr
 
 
+@pytest.mark.launch
 def test_c10d_node_beyond_max_is_refused_clearly(tmp_path):
     """Two nodes of 1:2 run (a node below MAX would wait and be admitted: test_elastic.py)."""
     script = tmp_path / "wait.py"
@@ -369,6 +375,7 @@ print(f"note {rank}", file=sys.stderr, flush=True)
 """
 
 
+@pytest.mark.launch
 def test_duplicate_filters_copy_the_matching_console_lines(tmp_path):
     script = tmp_path / "prints.py"
     script.write_text(PRINTS)

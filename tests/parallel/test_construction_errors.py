@@ -81,6 +81,7 @@ WRAPPERS = {
 }
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("kind", WRAPPERS)
 def test_launched_without_process_group_raises_on_every_rank(kind):
     results = run_ranks(_error, 2, args=(_build, kind), init=None, timeout=30)
@@ -140,6 +141,7 @@ def _buffers_differ(case: str, via: str) -> dict:
     return {"error": error, "after": _still_together()}
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("via", ["model", "ddp", "fsdp"])
 @pytest.mark.parametrize("case", ["features", "extra"])
 def test_buffers_that_differ_raise_on_every_rank(case, via):
@@ -161,6 +163,7 @@ def test_buffers_that_differ_raise_on_every_rank(case, via):
         assert r["after"] == 2.0
 
 
+@pytest.mark.distributed
 def test_a_differing_parameter_is_reported_before_the_buffers():
     results = run_ranks(_buffers_differ, 2, args=("parameter", "model"), timeout=30)
     for r in results:
@@ -185,6 +188,7 @@ def _units_differ(other: str) -> dict:
     return {"error": _error(FSDP, model, auto_wrap=auto_wrap), "after": _still_together()}
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("other", ["none", "predicate", "refused"])
 def test_units_that_differ_raise_on_every_rank(other):
     results = run_ranks(_units_differ, 2, args=(other,), timeout=30)
@@ -250,6 +254,7 @@ def _torch_and_ours() -> list[tuple[bool, bool]]:
     return verdicts
 
 
+@pytest.mark.distributed
 def test_cpu_module_accepts_and_refuses_what_torch_does():
     (verdicts,) = run_ranks(_torch_and_ours, 1, timeout=30)
     for (device_ids, output_device), (torch_ok, ours_ok) in zip(CPU_CASES, verdicts, strict=True):

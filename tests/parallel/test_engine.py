@@ -94,6 +94,7 @@ def _same_weights(got: dict | None, plain: dict) -> bool:
     return list(got) == list(plain) and all(torch.equal(got[k], plain[k]) for k in plain)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("kind", ["ddp", "fsdp3"])
 def test_clip_grad_norm_is_the_global_norm(kind):
     """Also: the engine make_engine picks, and plain_weights (rank 0's, no prefix)."""
@@ -123,6 +124,7 @@ def _no_sync() -> dict:
     return {"local": local, "synced": synced}
 
 
+@pytest.mark.distributed
 def test_no_sync_keeps_gradients_local_until_a_synced_backward():
     first, second = run_ranks(_no_sync, 2, timeout=60)
     assert not torch.equal(first["local"][0], second["local"][0])
@@ -173,6 +175,7 @@ def _round_trip(optimizer: str) -> dict:
     }
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("optimizer", ["plain", "sharded"])
 def test_full_state_round_trip_continues_identically(optimizer):
     for result in run_ranks(_round_trip, 2, args=(optimizer,), timeout=60):
@@ -202,6 +205,7 @@ def _data_parallel_in_a_job() -> str:
     return str(info.value)
 
 
+@pytest.mark.distributed
 def test_data_parallel_in_a_multi_process_job_is_refused():
     for message in run_ranks(_data_parallel_in_a_job, 2, timeout=60):
         assert "DataParallel model in a job of 2 processes" in message, message

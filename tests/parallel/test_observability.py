@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -47,6 +48,7 @@ def _profiled_step() -> dict:
     }
 
 
+@pytest.mark.distributed
 def test_profiler_sees_the_ddp_phases_on_every_rank():
     for result in run_ranks(_profiled_step, 2, timeout=60):
         names, buckets = result["names"], result["buckets"]

@@ -160,6 +160,7 @@ def _parity(name: str) -> dict:
     }
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_matches_plain_optimizer_with_sharded_state(world_size):
     for name in OPTIMIZERS:
@@ -279,6 +280,7 @@ def _adam_one_process() -> tuple[list[torch.Tensor], list[int]]:
     return [p.detach().clone() for p in model.parameters()], per_param
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_adam_bitwise_equals_one_process_on_the_full_batch_and_torch_zero(world_size):
     assert not dist.is_initialized()
@@ -350,6 +352,7 @@ def _groups_and_dtypes() -> list[list[float]]:
     return [(p - q).abs().max().item() for p, q in zip(ours, theirs, strict=True)]
 
 
+@pytest.mark.distributed
 def test_param_groups_mixed_dtypes_and_ranks_owning_nothing():
     for rank, diffs in enumerate(run_ranks(_groups_and_dtypes, 4, timeout=60)):
         assert max(diffs) == 0.0, (rank, diffs)

@@ -6,7 +6,7 @@ bash itself hands srun the script's arguments unchanged, whatever quotes, spaces
 newlines they hold (checked against hypothesis' strings by running the script with a stub srun),
 and shlex reads the srun line the same way; when USR1 reaches the batch shell, the trap passes it to
 srun and then runs `scontrol requeue $SLURM_JOB_ID`, and the script still ends with srun's own
-exit status (tests/unit/test_slurm_script.py covers the other options); the
+exit status (tests/slurm/test_slurm_script.py covers the other options); the
 command line takes dashed and underscored options and `--`, and rejects bad values naming them;
 node_placement_from_slurm reads what srun sets (the step's variables first), returns None outside
 a step, and names the variable and value of every bad one; importing the module imports no torch.

@@ -39,7 +39,7 @@ from tests.slurm import train_job, trainer_job
 
 # One job at a time: the one-node cluster has 2 CPUs, and a job that waits for another's to end
 # would spend its timeout queued.
-pytestmark = pytest.mark.xdist_group("slurm")
+pytestmark = [pytest.mark.xdist_group("slurm"), pytest.mark.slurm]
 
 REPO = Path(__file__).resolve().parents[2]
 JOB_TIMEOUT_S = 180

@@ -26,7 +26,7 @@ import pytest
 from tandem.cli import slurm as slurm_cli
 from tandem.launch.slurm import build_sbatch_script
 from tandem.launch.slurm_options import SignalSpec, check_mem, parse_signal
-from tests.unit.test_slurm import _STUB_SCONTROL, _STUB_SRUN, REFERENCE, _args, _start
+from tests.slurm.test_slurm import _STUB_SCONTROL, _STUB_SRUN, REFERENCE, _args, _start
 
 BASE = {**REFERENCE, "time": "01:00:00"}
 

@@ -55,6 +55,7 @@ def _param(name: str) -> object:
     return pytest.param(name, id=name, marks=marks)
 
 
+@pytest.mark.distributed
 @pytest.mark.timeout(BUDGET_S + 60)
 @pytest.mark.parametrize("name", [_param(n) for n in MUST_PASS])
 def test_passes_under_tandem(name: str) -> None:
@@ -70,6 +71,7 @@ def test_constants_agree() -> None:
     assert len(set(MUST_PASS)) == len(MUST_PASS)
 
 
+@pytest.mark.distributed
 @pytest.mark.xdist_group("torch_suite_1")
 def test_a_hanging_test_fails_at_its_timeout_and_the_batch_goes_on() -> None:
     started = time.monotonic()

@@ -26,6 +26,8 @@ import time
 from collections import deque
 from pathlib import Path
 
+import pytest
+
 from tandem.launch.relay import relay
 from tests.launching import clean_env
 
@@ -100,6 +102,7 @@ def _on_a_terminal(command: list[str]) -> tuple[int, str]:
     return proc.returncode, b"".join(chunks).decode("utf-8", errors="replace")
 
 
+@pytest.mark.launch
 def test_a_live_bar_of_optimizer_steps_on_a_terminal(tmp_path):
     code, out = _on_a_terminal(_command(tmp_path))
     assert code == 0, out
@@ -112,6 +115,7 @@ def test_a_live_bar_of_optimizer_steps_on_a_terminal(tmp_path):
     assert not re.search(r"step \d+/16  epoch", out), out
 
 
+@pytest.mark.launch
 def test_plain_progress_lines_without_a_terminal(tmp_path):
     result = subprocess.run(
         _command(tmp_path), capture_output=True, text=True, timeout=TIMEOUT_S, env=clean_env()

@@ -46,6 +46,8 @@ import tandem
 from tandem.train.trainer import Trainer
 from tests.harness import run_ranks
 
+pytestmark = pytest.mark.distributed
+
 N = 48
 BATCH = 4
 STOP_AFTER = 3  # batches of the first epoch before the stop

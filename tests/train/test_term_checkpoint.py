@@ -45,6 +45,7 @@ SUMMARY = re.compile(
 )
 
 
+@pytest.mark.launch
 @pytest.mark.timeout(300)
 def test_sigterm_checkpoint_of_a_100m_parameter_model_commits_and_resumes(tmp_path):
     run_dir = tmp_path / "run"
@@ -107,6 +108,7 @@ def test_sigterm_checkpoint_of_a_100m_parameter_model_commits_and_resumes(tmp_pa
     assert "checkpoint committed" not in resumed.stderr, shown  # a good end: the Trainer's say
 
 
+@pytest.mark.launch
 @pytest.mark.timeout(120)
 def test_a_failure_after_a_checkpoint_names_it(tmp_path):
     run_dir = tmp_path / "run"
@@ -160,6 +162,7 @@ def test_the_note_becomes_the_summary_line(tmp_path, monkeypatch):
     assert committed_checkpoint(tmp_path, "abc123", before, "SIGTERM") is None
 
 
+@pytest.mark.launch
 @pytest.mark.timeout(120)
 def test_workers_killed_at_the_term_timeout_are_named(tmp_path):
     small = ["--width", "32"]

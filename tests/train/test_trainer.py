@@ -13,7 +13,7 @@ Proves:
   6 and 5) equal one process's on the full set; every rank returns the same summary;
 - bad input fails on every rank, with the values: a run directory that cannot be created
   (before training), a checkpoint of a run with another seed (both seeds named; another world
-  size resumes: tests/distributed/test_resume_world_size.py), and bad arguments.
+  size resumes: tests/train/test_resume_world_size.py), and bad arguments.
 """
 
 from __future__ import annotations
@@ -111,6 +111,7 @@ def _two_ranks(run_dir: str) -> dict:
     }
 
 
+@pytest.mark.distributed
 def test_two_ranks_wrap_in_ddp_and_report_what_one_process_computes(tmp_path):
     results = run_ranks(_two_ranks, 2, args=(str(tmp_path),), timeout=60)
     assert [r["wrapped"] for r in results] == [True, True]
@@ -140,6 +141,7 @@ def _error(run_dir: str, resume: str | None, seed: int = 0) -> str:
     raise AssertionError("no ValueError")
 
 
+@pytest.mark.distributed
 def test_unwritable_run_dir_fails_on_every_rank_before_training(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("a file where a directory would have to be")
@@ -149,6 +151,7 @@ def test_unwritable_run_dir_fails_on_every_rank_before_training(tmp_path):
         assert f"run_dir '{run_dir}' cannot be written on rank 0" in message, message
 
 
+@pytest.mark.distributed
 def test_resume_of_another_run_fails_on_every_rank(tmp_path):
     _trainer(tmp_path, max_epochs=1).train()  # one process, seed 0
     messages = run_ranks(_error, 2, args=(str(tmp_path), "latest", 1), timeout=60)
@@ -221,6 +224,7 @@ def _requests_between_log_steps(run_dir: str, sharded: bool) -> dict:
     }
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("sharded", [False, True], ids=["ddp", "fsdp3"])
 def test_requests_cost_no_collective_of_their_own_with_ddp(tmp_path, sharded):
     results = run_ranks(_requests_between_log_steps, 2, args=(str(tmp_path), sharded))

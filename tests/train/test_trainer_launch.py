@@ -15,8 +15,12 @@ import signal
 import subprocess
 import threading
 
+import pytest
+
 from tandem.checkpoint.run_dir import list_checkpoints, load_checkpoint
 from tests.launching import clean_env, tandem_run_module
+
+pytestmark = pytest.mark.launch
 
 _EPOCH = re.compile(r"^epoch\s+(\d+)\s+loss", re.MULTILINE)
 

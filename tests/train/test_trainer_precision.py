@@ -215,6 +215,7 @@ def _parity(run_dir: str, precision: str) -> dict:
     }
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("precision", ["bf16-mixed", "fp16-mixed", "bf16-true"])
 def test_trainer_equals_a_hand_written_ddp_loop_bitwise(tmp_path, precision):
     for result in run_ranks(_parity, 2, args=(str(tmp_path), precision), timeout=90):
@@ -405,6 +406,7 @@ def _fsdp_parity(run_dir: str, precision: str, init_scale: float | None) -> dict
     }
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("precision", ["bf16-mixed", "fp16-mixed"])
 def test_fsdp_mixed_precision_equals_a_hand_written_fsdp2_loop_bitwise(tmp_path, precision):
     low = str(LOW[precision])
@@ -424,6 +426,7 @@ def test_fsdp_mixed_precision_equals_a_hand_written_fsdp2_loop_bitwise(tmp_path,
         assert r["skipped"][0] == r["skipped"][1] == 0, context
 
 
+@pytest.mark.distributed
 def test_fsdp_fp16_skipped_steps_are_counted_as_by_the_fsdp2_loop(tmp_path):
     # float16 parameters overflow in backward until the scale is down to about 2**17: from
     # 2**20, 4 of the run's 6 steps are skipped (from 2**24, all 6 would be).
@@ -466,6 +469,7 @@ def _fsdp_fp16_resume(run_dir: str) -> dict:
     }
 
 
+@pytest.mark.distributed
 def test_fsdp_fp16_resume_continues_bitwise_with_the_skip_count(tmp_path):
     for rank, r in enumerate(run_ranks(_fsdp_fp16_resume, 2, args=(str(tmp_path),), timeout=120)):
         assert r["same_params"] is (True if rank == 0 else None), (rank, r)
@@ -504,6 +508,7 @@ def _one_rank_overflows() -> dict:
     return out
 
 
+@pytest.mark.distributed
 def test_sharded_grad_scaler_skips_on_every_rank_when_one_shard_overflows():
     results = run_ranks(_one_rank_overflows, 2, timeout=60)
     for rank, r in enumerate(results):
@@ -549,6 +554,7 @@ def _what_the_trainer_sets(run_dir: str) -> dict:
     }
 
 
+@pytest.mark.distributed
 def test_what_the_trainer_sets_on_an_fsdp_model(tmp_path):
     bf16, fp16, fp32 = "torch.bfloat16", "torch.float16", "torch.float32"
     for r in run_ranks(_what_the_trainer_sets, 2, args=(str(tmp_path),), timeout=90):

@@ -52,6 +52,8 @@ from tandem.checkpoint.run_dir import (
 from tandem.train.trainer import Trainer
 from tests.harness import run_ranks
 
+pytestmark = pytest.mark.distributed
+
 EPOCHS = 3
 SAMPLES_PER_RANK = 25
 BATCHES_PER_EPOCH = 7  # 25 samples per rank in batches of 4

@@ -124,6 +124,7 @@ def ddp_run(tmp_path_factory) -> list[dict]:
     return _run(tmp_path_factory.mktemp("ddp"), "ddp")
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize(
     "kind, formats",
     [("fsdp3", ("full", "sharded")), ("fsdp2", ("sharded",)), ("zero1", ("full", "sharded"))],
@@ -152,6 +153,7 @@ def test_sharded_runs_equal_ddp_and_resume_bitwise(ddp_run, tmp_path, kind, form
                 assert torch.equal(a, b), (kind, fmt, rank, (a - b).abs().max())
 
 
+@pytest.mark.distributed
 def test_full_fsdp_checkpoint_loads_into_the_plain_model_and_one_process(tmp_path):
     _run(tmp_path, "fsdp3", "full", epochs=1)
     state = load_checkpoint(tmp_path)["state"]
@@ -182,6 +184,7 @@ def _resume_error(run_dir: str) -> str:
     raise AssertionError("resuming with a truncated shard did not raise")
 
 
+@pytest.mark.distributed
 def test_truncated_shard_is_a_checkpoint_error_on_every_rank(tmp_path):
     _run(tmp_path, "fsdp3", "sharded", epochs=1)
     ckpt = latest_checkpoint(tmp_path)

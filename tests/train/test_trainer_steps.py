@@ -38,6 +38,8 @@ import tandem
 from tandem.train.trainer import Trainer
 from tests.harness import run_ranks
 
+pytestmark = pytest.mark.distributed
+
 BATCH = 4
 CLIP = 0.05
 Item = namedtuple("Item", "x y index")

@@ -40,6 +40,8 @@ from tandem.train.step_log import TIMING_COLUMNS
 from tandem.train.trainer import Trainer
 from tests.harness import run_ranks
 
+pytestmark = pytest.mark.distributed
+
 PER_RANK = 20  # in batches of 3: 7 batches an epoch, in steps of 2 (2, 2, 2, 1): 4 steps
 BATCH = 3
 STEPS = 13

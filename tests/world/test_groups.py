@@ -13,11 +13,14 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
+import pytest
 import torch
 import torch.distributed as dist
 
 from tandem.groups import GroupInfo, partition, strided
 from tests.harness import run_ranks
+
+pytestmark = pytest.mark.distributed
 
 
 def _use(info: GroupInfo) -> tuple[GroupInfo, float, float]:

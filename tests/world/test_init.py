@@ -11,12 +11,15 @@ from __future__ import annotations
 import os
 from datetime import timedelta
 
+import pytest
 import torch
 import torch.distributed as dist
 
 from tandem.world import World, init, shutdown, world
 from tests.harness import free_port, run_ranks
 from tests.launching import TORCHRUN_VARIABLES
+
+pytestmark = pytest.mark.distributed
 
 
 def _use_group(w: World) -> tuple[World, float, bool]:

@@ -34,7 +34,7 @@ import tandem
 from tandem.parallel.ddp.comm_hooks import allreduce_hook
 from tandem.parallel.ddp.end_of_backward import UnusedParametersError
 from tandem.parallel.replicas import broadcast_coalesced
-from tests.distributed import models
+from tests import models
 from tests.harness import run_ranks
 
 
@@ -50,6 +50,7 @@ def _differing_models(kind: str) -> str:
     return str(info.value)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("kind", ["shape", "count"])
 def test_models_that_differ_raise_on_every_rank(kind):
     messages = run_ranks(_differing_models, 2, args=(kind,), timeout=30)
@@ -74,6 +75,7 @@ def _missing_gradient(only_rank0: bool) -> str:
     return str(info.value)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("only_rank0", [False, True], ids=["all-ranks", "one-rank"])
 def test_missing_gradient_without_flag_raises_on_every_rank(only_rank0):
     messages = run_ranks(_missing_gradient, 2, args=(only_rank0,), timeout=30)
@@ -139,6 +141,7 @@ def _ddp_and_local_grads(kind: str) -> dict:
     }
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize(("kind", "world_size"), [("integer", 2), ("integer", 4), ("mlp", 2)])
 def test_grad_is_the_mean_of_the_ranks_local_gradients(kind, world_size):
     results = run_ranks(_ddp_and_local_grads, world_size, args=(kind,), timeout=60)
@@ -183,6 +186,7 @@ def _unused_grads() -> dict:
     }
 
 
+@pytest.mark.distributed
 def test_find_unused_parameters_semantics():
     grads = run_ranks(_unused_grads, 2, timeout=30)
     assert grads[0]["had_local"]["right.weight"] is False  # rank 0 ran 'left' only
@@ -229,6 +233,7 @@ def _rebuild() -> dict:
     }
 
 
+@pytest.mark.distributed
 def test_buckets_rebuilt_in_ready_order_and_launched_during_backward():
     results = run_ranks(_rebuild, 2)
     r = results[0]
@@ -265,6 +270,7 @@ def _broadcast_and_resync() -> list[float]:
     ]
 
 
+@pytest.mark.distributed
 def test_construction_broadcasts_and_sync_params_and_buffers():
     for resync_diff, init_diff, from_rank0 in run_ranks(_broadcast_and_resync, 2, timeout=30):
         assert resync_diff == 0 and init_diff == 0 and from_rank0 == 0
@@ -288,6 +294,7 @@ def _broadcast_mixed() -> list[torch.Tensor]:
     return tensors
 
 
+@pytest.mark.distributed
 def test_broadcast_coalesced_mixes_dtypes_exactly():
     expected = _mixed_tensors(0)  # what rank 0 held
     for rank, tensors in enumerate(run_ranks(_broadcast_mixed, 3, timeout=30)):
@@ -319,6 +326,7 @@ def _hooks() -> float:
     )
 
 
+@pytest.mark.distributed
 def test_user_hook_and_tandem_hook_in_torch_ddp():
     assert max(run_ranks(_hooks, 2)) < 1e-12
 

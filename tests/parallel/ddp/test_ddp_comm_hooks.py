@@ -44,7 +44,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import tandem
 from tandem.parallel.ddp import comm_hooks
-from tests.distributed import models
+from tests import models
 from tests.harness import run_ranks
 
 STEPS = 30
@@ -140,6 +140,7 @@ def _parity(hook_name: str, bucket_cap_mb: float | None) -> dict:
 HOOKS = ["allreduce", "fp16", "bf16", "fp16_wrapper", "bf16_wrapper", "noop", "post_localsgd"]
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("bucket_cap_mb", [None, SMALL_BUCKETS], ids=["default", "small"])
 @pytest.mark.parametrize("hook_name", HOOKS)
 def test_torch_hooks_equal_torch_ddp(hook_name, bucket_cap_mb):
@@ -154,12 +155,14 @@ def test_torch_hooks_equal_torch_ddp(hook_name, bucket_cap_mb):
             assert torch.equal(a, b)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("hook_name", ["tandem_fp16", "tandem_bf16"])
 def test_own_compress_hooks_round_as_torchs_at_world_size_1(hook_name):
     (result,) = run_ranks(_parity, 1, args=(hook_name, None), timeout=120)
     assert result["equal"], result["diff"]
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("run", range(3))
 def test_powersgd_equals_torch_ddp(run):
     results = run_ranks(_parity, 2, args=("powersgd", None), timeout=120)
@@ -176,6 +179,7 @@ def _wrapped_powersgd(hook_name: str) -> dict:
     return result
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("hook_name", ["powersgd_fp16_wrapper", "powersgd_bf16_wrapper"])
 def test_powersgd_in_compress_wrappers_equals_torch_ddp(hook_name):
     # The wrapper sets a float16 (bfloat16) buffer; PowerSGD computes on bucket.gradients().
@@ -217,6 +221,7 @@ def _powersgd_beyond_torch(hook_name: str) -> dict:
     }
 
 
+@pytest.mark.distributed
 def test_powersgd_over_several_buckets_where_torch_fails():
     results = run_ranks(_powersgd_beyond_torch, 2, args=("powersgd",), timeout=120)
     assert torch.equal(results[0]["params"], results[1]["params"])  # replicas stay equal
@@ -232,6 +237,7 @@ def _batched_powersgd() -> str:
     return "".join(traceback.format_tb(info.tb))
 
 
+@pytest.mark.distributed
 def test_batched_powersgd_fails_in_torchs_own_code_on_every_rank():
     # torch 2.13's batched_powerSGD_hook hands _orthogonalize a 2-D matrix where it asserts a
     # batch of them: no engine can run it. tandem's part is to let the hook's error out on every
@@ -287,6 +293,7 @@ def _race() -> dict:
     }
 
 
+@pytest.mark.distributed
 def test_collectives_issued_from_hook_callbacks_stay_in_order():
     results = run_ranks(_race, 2, timeout=60)
     assert results[0]["buckets"] >= 3

@@ -23,8 +23,10 @@ from torch import nn
 from torch._dynamo.testing import CompileCounter
 
 import tandem
-from tests.distributed import models
+from tests import models
 from tests.harness import run_ranks
+
+pytestmark = pytest.mark.distributed
 
 STEPS = 6
 

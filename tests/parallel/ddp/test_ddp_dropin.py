@@ -103,6 +103,7 @@ def _grad_div(wrapper: type) -> dict:
     return grads
 
 
+@pytest.mark.distributed
 def test_join_method_divides_by_the_ranks_still_training_or_the_initial_world_size():
     results = run_ranks(_both, 2, args=(_grad_div,))
     _assert_parity(results)
@@ -140,6 +141,7 @@ def _join_equivalence(wrapper: type) -> dict:
     return {"ddp": net.module.weight.detach().clone(), "local": local.weight.detach().clone()}
 
 
+@pytest.mark.distributed
 def test_join_method_equals_local_training():
     results = run_ranks(_both, 2, args=(_join_equivalence,))
     _assert_parity(results)
@@ -169,6 +171,7 @@ def _exception_in_join(wrapper: type) -> str:
     return "no error"
 
 
+@pytest.mark.distributed
 def test_join_method_lets_an_exception_out_on_every_rank():
     results = run_ranks(_both, 2, args=(_exception_in_join,))
     assert all(r == {"tandem": "Intentional error", "torch": "Intentional error"} for r in results)
@@ -194,6 +197,7 @@ def _join_disabled(wrapper: type) -> dict:
     }
 
 
+@pytest.mark.distributed
 def test_join_method_disabled_divides_by_the_world_size():
     results = run_ranks(_both, 2, args=(_join_disabled,))
     _assert_parity(results)
@@ -222,7 +226,7 @@ def test_signature_is_torchs_with_tandems_own_arguments_keyword_only_at_the_end(
 
 
 def test_guide_signature_is_torchs():
-    guide = (Path(__file__).parents[2] / "docs" / "guides" / "ddp.md").read_text()
+    guide = (Path(__file__).parents[3] / "docs" / "guides" / "ddp.md").read_text()
     section = guide.split("# `tandem.DistributedDataParallel`", 1)[1]
     block = section.split("```python", 1)[1].split("```", 1)[0]
     call = " ".join(block.split())
@@ -264,6 +268,7 @@ def _forward_sync_false(wrapper: type) -> dict:
     }
 
 
+@pytest.mark.distributed
 def test_forward_sync_buffers_false_still_broadcasts_at_construction():
     results = run_ranks(_both, 2, args=(_forward_sync_false,))
     _assert_parity(results)
@@ -290,6 +295,7 @@ def _join_keeps_rank_buffers(wrapper: type) -> dict:
     }
 
 
+@pytest.mark.distributed
 def test_join_end_keeps_rank_local_buffers_without_forward_sync():
     results = run_ranks(_both, 2, args=(_join_keeps_rank_buffers,))
     _assert_parity(results)
@@ -332,6 +338,7 @@ def _buffer_flags(wrapper: type) -> list[dict]:
     return out
 
 
+@pytest.mark.distributed
 def test_buffer_flags_warn_and_act_as_torchs():
     results = run_ranks(_both, 2, args=(_buffer_flags,))
     _assert_parity(results)
@@ -354,6 +361,7 @@ def _no_init_sync(wrapper: type) -> dict:
     return {"kept_own_values": _same(state, _WithBuffer().state_dict()), "state": state}
 
 
+@pytest.mark.distributed
 def test_init_sync_false_broadcasts_nothing_at_construction():
     results = run_ranks(_both, 2, args=(_no_init_sync,))
     _assert_parity(results)
@@ -415,6 +423,7 @@ def _skip_cases(mode: str) -> dict:
     }
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("mode", ["find_unused", "static_graph"])
 def test_skip_all_reduce_unused_params_reduces_one_bucket_fewer_with_the_same_result(mode):
     results = run_ranks(_skip_cases, 2, args=(mode,))
@@ -467,6 +476,7 @@ def _cap_list(wrapper: type, cap_list: list[float], extra: dict) -> dict:
     }
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize(
     "extra", [{}, {"find_unused_parameters": True}, {"static_graph": True}], ids=str
 )
@@ -516,6 +526,7 @@ def _batched_cases() -> dict:
     }
 
 
+@pytest.mark.distributed
 def test_batched_grad_copy_divides_as_torch_does():
     # At world size 3, dividing by 3 and multiplying by 1/3 give other bits: the option's bits
     # are torch's own for it, which differ from the default's (checked, so that this test
@@ -551,6 +562,7 @@ def _mesh(wrapper: type) -> dict:
     }
 
 
+@pytest.mark.distributed
 def test_device_mesh_averages_over_its_group():
     results = run_ranks(_both, 2, args=(_mesh,))
     _assert_parity(results)
@@ -586,6 +598,7 @@ def _refusals() -> list[str]:
     return out
 
 
+@pytest.mark.distributed
 def test_arguments_tandem_does_not_implement_are_refused_by_name():
     for got in run_ranks(_refusals, 2):
         pairing, delay, mixed, sliced = got
@@ -618,6 +631,7 @@ def _logging_data() -> list[dict]:
     return out
 
 
+@pytest.mark.distributed
 def test_logging_data_has_torchs_values_for_the_fields_tandem_keeps():
     # torch's tests read _get_ddp_logging_data() (num_buckets_reduced, bucket sizes, rebuilt
     # order): every field tandem.DDP gives has torch's value.
@@ -694,6 +708,7 @@ def _outputs_left_out(wrapper: type, kind: str, as_view: bool) -> dict:
     return {"first": first, "first_none_as_local": [g is None for g in first_local], "steps": steps}
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("as_view", [False, True], ids=["copy", "bucket_view"])
 @pytest.mark.parametrize("kind", ["tuple", "dict"])
 def test_outputs_the_loss_leaves_out_are_torchs(kind, as_view):
@@ -757,6 +772,7 @@ def _reassigned_buffer(wrapper: type) -> dict:
     return {"seen": seen}
 
 
+@pytest.mark.distributed
 def test_a_reassigned_buffer_is_the_one_broadcast():
     results = run_ranks(_both, 2, args=(_reassigned_buffer,))
     _assert_parity(results)
@@ -779,6 +795,7 @@ def _nothing_to_train(wrapper: type) -> list[str]:
     return out
 
 
+@pytest.mark.distributed
 def test_a_module_with_nothing_to_train_is_torchs_runtime_error_on_every_rank():
     for result in run_ranks(_both, 2, args=(_nothing_to_train,)):
         for ours, theirs in zip(result["tandem"], result["torch"], strict=True):
@@ -825,6 +842,7 @@ def _functional_call(wrapper: type, find_unused: bool) -> dict:
     return out
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("find_unused", [False, True], ids=["default", "find_unused"])
 def test_functional_call_on_the_wrapper_is_torchs(find_unused):
     results = run_ranks(_both, 2, args=(_functional_call, find_unused))
@@ -872,6 +890,7 @@ def _undefined_grad(wrapper: type) -> dict:
     }
 
 
+@pytest.mark.distributed
 def test_an_undefined_gradient_leaves_grad_none():
     results = run_ranks(_both, 2, args=(_undefined_grad,))
     _assert_parity(results)

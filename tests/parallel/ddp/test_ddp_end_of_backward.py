@@ -28,8 +28,10 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 import tandem
 from tandem.doctor import records
 from tandem.parallel.ddp.end_of_backward import UnusedParametersError
-from tests.distributed import models
+from tests import models
 from tests.harness import run_ranks
+
+pytestmark = pytest.mark.distributed
 
 CHECK = "DDP end-of-backward check"
 

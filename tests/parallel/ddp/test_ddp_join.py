@@ -21,8 +21,10 @@ from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import tandem
-from tests.distributed import models
+from tests import models
 from tests.harness import run_ranks
+
+pytestmark = pytest.mark.distributed
 
 SHAPES = {"mlp": (10,), "conv_bn": (1, 6, 6)}
 

@@ -25,8 +25,10 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import tandem
 from tandem.parallel.ddp.comm_hooks import bf16_compress_hook
-from tests.distributed import models
+from tests import models
 from tests.harness import run_ranks
+
+pytestmark = pytest.mark.distributed
 
 STEPS = 4
 PER_RANK = 6

@@ -51,8 +51,10 @@ from torch.utils.checkpoint import checkpoint
 
 import tandem
 from tandem.parallel.ddp.reducer import Reducer
-from tests.distributed import models
+from tests import models
 from tests.harness import run_ranks
+
+pytestmark = pytest.mark.distributed
 
 STEPS = 30
 PER_RANK = 6

@@ -1,6 +1,6 @@
 """Without join, a rank that runs out of data stops the job in seconds, named, never a hang.
 
-Real scripts (tests/distributed/uneven_worker.py) in two processes with a hand-made torchrun
+Real scripts (tests/parallel/ddp/uneven_worker.py) in two processes with a hand-made torchrun
 environment: rank 1 trains 2 steps, rank 0 five, so rank 0 waits in step 3 for a rank that will
 never come. Proven:
 
@@ -28,7 +28,9 @@ import pytest
 from tests.harness import free_port
 from tests.launching import clean_env
 
-ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.distributed
+
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def _launch(mode: str) -> list[dict]:
@@ -47,7 +49,7 @@ def _launch(mode: str) -> list[dict]:
         )
         procs.append(
             subprocess.Popen(
-                [sys.executable, "-m", "tests.distributed.uneven_worker", mode],
+                [sys.executable, "-m", "tests.parallel.ddp.uneven_worker", mode],
                 cwd=ROOT,
                 env=env,
                 stdout=subprocess.PIPE,

@@ -1,6 +1,6 @@
 """A training script whose rank 1 runs out of data early (see test_ddp_uneven.py).
 
-Run as ``python -m tests.distributed.uneven_worker MODE`` in each rank's environment:
+Run as ``python -m tests.parallel.ddp.uneven_worker MODE`` in each rank's environment:
 
 - ``barrier``: rank 1 trains 2 steps, the others 5; then every rank calls ``dist.barrier()``;
 - ``exit``: the same, then the script simply ends (the process exits);
@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import tandem
-from tests.distributed import models
+from tests import models
 
 
 def main(mode: str) -> None:

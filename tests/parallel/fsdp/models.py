@@ -2,8 +2,8 @@
 
 - models: ``Net`` (a root parameter, a Linear, a nested bias-free Linear, a buffer), ``MLP`` (given
   widths and biases), built seeded by ``seeded`` or ``make_net``; used in one process
-  (tests/unit/test_fsdp_single.py) and in several ranks;
-- in several ranks (tests/distributed/test_fsdp.py, test_fsdp_state.py): the data (``batch``,
+  (tests/parallel/fsdp/test_fsdp_single.py) and in several ranks;
+- in several ranks (tests/parallel/fsdp/test_fsdp.py, test_fsdp_state.py): the data (``batch``,
   every rank's slice of a global batch, and ``mse``), one optimizer step (``train_step``), FSDP
   and its tandem.DDP oracle built and trained side by side (``side_by_side``, ``train``), and
   how their results compare (``gathered_tensors``, ``diff``, ``same_everywhere``, ``params``,

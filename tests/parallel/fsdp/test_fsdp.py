@@ -52,7 +52,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from tests.fsdp_models import (
+from tests.harness import run_ranks
+from tests.parallel.fsdp.models import (
     FSDP,
     MLP,
     OPTIMIZERS,
@@ -75,7 +76,8 @@ from tests.fsdp_models import (
     train,
     train_step,
 )
-from tests.harness import run_ranks
+
+pytestmark = pytest.mark.distributed
 
 STEPS = 5
 # Element-wise state tensors the optimizer keeps per parameter (SGD: momentum; AdamW: moments).

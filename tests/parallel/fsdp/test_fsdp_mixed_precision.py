@@ -17,7 +17,7 @@ one Parameter, kept by the root in both). Proven at world size 2, 10 steps:
   torch does by default), ``output_dtype=float32`` (FSDP2 given it on the root's policy only:
   tandem casts the model's outputs, not every unit's) with ``cast_forward_inputs``, and float16
   parameters reduced in float32. Bitwise at world size 2 for the reason the float32 parity
-  (tests/distributed/test_fsdp_torch_parity.py) gives: the gathered bfloat16 values are the
+  (tests/parallel/fsdp/test_fsdp_torch_parity.py) gives: the gathered bfloat16 values are the
   same casts of the same float32 shards, the forward and backward are the same ops on the same
   tensors, each element's gradient is the sum of two addends (which commute) divided by 2
   (exact) in the same dtype, and the optimizer is element-wise on float32 shards. At world size
@@ -43,7 +43,7 @@ one Parameter, kept by the root in both). Proven at world size 2, 10 steps:
 
 Every configuration here runs under torch's ``fully_shard`` on CPU, so no hand-computed
 reference is needed in processes; the one-process reference with the same casts is
-tests/unit/test_fsdp_mixed_precision.py.
+tests/parallel/fsdp/test_fsdp_mixed_precision_single.py.
 """
 
 from __future__ import annotations
@@ -58,7 +58,8 @@ from torch import nn
 
 import tandem.parallel.fsdp.flat as flat
 from tandem.parallel.fsdp.precision import MixedPrecisionPolicy
-from tests.fsdp_models import (
+from tests.harness import run_ranks
+from tests.parallel.fsdp.models import (
     FSDP,
     OPTIMIZERS,
     PER_RANK,
@@ -69,7 +70,8 @@ from tests.fsdp_models import (
     refused,
     seeded,
 )
-from tests.harness import run_ranks
+
+pytestmark = pytest.mark.distributed
 
 try:  # FSDP2: public from torch 2.6 on
     from torch.distributed.fsdp import MixedPrecisionPolicy as TorchPolicy

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.parallel.fsdp.wrapper import MixedPrecisionPolicy
-from tests.fsdp_models import FSDP, MLP, Net, seeded
+from tests.parallel.fsdp.models import FSDP, MLP, Net, seeded
 
 BF16, FP32 = torch.bfloat16, torch.float32
 OPTIMIZERS = {

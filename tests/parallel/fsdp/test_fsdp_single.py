@@ -38,7 +38,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import tandem
-from tests.fsdp_models import MLP, Net, seeded
+from tests.parallel.fsdp.models import MLP, Net, seeded
 
 FSDP = tandem.FullyShardedDataParallel
 OPTIMIZERS = {

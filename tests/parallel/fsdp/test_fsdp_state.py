@@ -25,12 +25,14 @@ import copy
 import dataclasses
 import os
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 
 import tandem
-from tests.fsdp_models import (
+from tests.harness import run_ranks
+from tests.parallel.fsdp.models import (
     FSDP,
     TOL,
     adamw,
@@ -45,7 +47,8 @@ from tests.fsdp_models import (
     train,
     train_step,
 )
-from tests.harness import run_ranks
+
+pytestmark = pytest.mark.distributed
 
 
 def _save_and_reload(tmp: str) -> dict:

@@ -43,7 +43,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.parallel.fsdp.flat import mean_divisors
-from tests.fsdp_models import (
+from tests.harness import run_ranks
+from tests.parallel.fsdp.models import (
     FSDP,
     OPTIMIZERS,
     PER_RANK,
@@ -55,7 +56,6 @@ from tests.fsdp_models import (
     mse,
     seeded,
 )
-from tests.harness import run_ranks
 
 try:
     from torch.distributed.fsdp import fully_shard  # FSDP2: public from torch 2.6 on
@@ -197,6 +197,7 @@ def parity(request) -> tuple[int, list[dict]]:
     return request.param, run_ranks(_parity, request.param, timeout=90)
 
 
+@pytest.mark.distributed
 def test_first_gradients_equal_fsdp2(parity):
     world_size, results = parity
     for rank, r in enumerate(results):
@@ -217,6 +218,7 @@ def test_first_gradients_equal_fsdp2(parity):
             assert sum(g["other_owner"] for g in counts) > 0, r
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
 @pytest.mark.parametrize("case", list(CASES))
 def test_training_equals_fsdp2(parity, case, optimizer):

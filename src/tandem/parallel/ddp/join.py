@@ -17,7 +17,7 @@ iteration, every collective the others issue:
    ``forward_sync_buffers``, as in torch).
 
 The order of these collectives is torch's DDP's, so a loop written for torch's ``Join`` works
-unchanged, and both engines give the same bits (tests/distributed/test_ddp_join.py). Scripts
+unchanged, and both engines give the same bits (tests/parallel/ddp/test_ddp_join.py). Scripts
 written for torch call ``model.join()``: the same context, for that model.
 
 Example::
