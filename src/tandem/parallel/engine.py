@@ -8,18 +8,23 @@ A training loop needs five things from whatever parallelises the model, and noth
     engine.state_dict(kind)      model + optimizer (+ the engine's own state), full or sharded
     engine.plain_weights()       the user's module's weights, whole, without wrapper prefixes
 
+and, for the Trainer and the checkpoints, ``engine.eval_model`` (what evaluation calls) and
+``engine.reshard(n, read)`` (this rank's shard cut from a run of ``n`` processes). How the
+model and the optimizer are saved, checked and loaded is their adapters' (``model_state``,
+``optimizer_state``: :mod:`tandem.parallel.adapters`), which the checkpoint entries use too.
+
 Two implementations cover every set-up, and :func:`make_engine` is the one place that looks at
 what it was given to choose:
 
-==========================================  ===================  ==============================
-set-up                                      engine               ``"sharded"`` checkpoints
-==========================================  ===================  ==============================
-plain module (one process)                  ReplicatedEngine     refused: nothing is sharded
-tandem.DataParallel (one process, devices)  ReplicatedEngine     refused: nothing is sharded
-module wrapped in tandem.DDP                ReplicatedEngine     refused: nothing is sharded
-tandem.DDP + tandem.ShardedOptimizer        ReplicatedEngine     each rank's optimizer shard
-tandem.FullyShardedDataParallel (stage 2/3) ShardedEngine        each rank's shards as they are
-==========================================  ===================  ==============================
+============================================  ===================  ==============================
+set-up                                        engine               ``"sharded"`` checkpoints
+============================================  ===================  ==============================
+plain module (one process)                    ReplicatedEngine     refused: nothing is sharded
+tandem.DataParallel (one process, devices)    ReplicatedEngine     refused: nothing is sharded
+module wrapped in tandem.DDP                  ReplicatedEngine     refused: nothing is sharded
+tandem.DDP + tandem.ShardedOptimizer          ReplicatedEngine     each rank's optimizer shard
+tandem.FullyShardedDataParallel (stage 2/3)   ShardedEngine        each rank's shards as they are
+============================================  ===================  ==============================
 
 The ``"full"`` kind is a plain module's and a plain optimizer's ``state_dict()`` (gathered where
 sharded): it loads into the unwrapped model, and into a sharded one at any world size. The
