@@ -8,6 +8,7 @@ A job of one process needs no process group, so the same script runs on one proc
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -277,6 +278,20 @@ def shutdown() -> None:
     finally:
         _current, _owns_group = None, False
         checkin.joined = None  # its store goes with the group
+
+
+def reformed(rank: int, world_size: int) -> World:
+    """Record that the group was re-formed without some ranks: this process is now ``rank`` of
+    ``world_size`` (:mod:`tandem.recovery` calls it after the survivors' new group exists).
+
+    Example::
+
+        reformed(1, 3)          # tandem.world().rank == 1, .world_size == 3 from here on
+    """
+    global _current
+    current = world()
+    _current = dataclasses.replace(current, rank=rank, world_size=world_size, is_main=rank == 0)
+    return _current
 
 
 def _meet_before_teardown(dist: Any) -> None:

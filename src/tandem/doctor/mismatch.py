@@ -55,18 +55,26 @@ class CollectiveMismatchError(RuntimeError):
     """Ranks issued different collectives at the same number in a group."""
 
 
-def fail(message: str, kind: type[RuntimeError] | None = None) -> None:
+def fail(
+    message: str, kind: type[RuntimeError] | None = None, wait_for_others: bool = True
+) -> None:
     """From now on every collective of this process raises ``kind`` (default
     :class:`CollectiveMismatchError`) with ``message`` (the first one stays): the ones waited
     for now, on Gloo within half a second, and the next ones at their entry.
+
+    ``wait_for_others=False`` raises at once, without :data:`before_raise`'s wait for the other
+    ranks to take the error (:mod:`tandem.recovery`: a member is gone, and the survivors leave
+    the step to re-form without it).
 
     Example::
 
         mismatch.fail(mismatch.message("world", 2, sides))   # the doctor, on every rank
     """
-    global failed, error
+    global failed, error, _told
     if failed is None:
         failed, error = message, kind or CollectiveMismatchError
+        if not wait_for_others:
+            _told = True
 
 
 def reset() -> None:

@@ -135,7 +135,15 @@ def _failed(work: dist.Work) -> bool:
     return work.is_completed()
 
 
+#: Whether a collective that failed because a peer left asks the others where they are
+#: (naming a rank out of step). :mod:`tandem.recovery` turns it off: there a peer that left is
+#: a member lost, and the survivors re-form at once instead of surveying for seconds.
+survey_lost_peers = True
+
+
 def _raise_if_out_of_step(progress: ModelSteps, what: str, cause: RuntimeError | None) -> None:
+    if cause is not None and not survey_lost_peers:
+        return
     found = _survey(progress, what)
     if found:
         hang.Reporter.stuck = True

@@ -167,8 +167,10 @@ class Reducer:
             self._install(cut_buckets(self.params, everything, self.caps, reverse=True))
         else:
             self._install(cut_buckets(self.params, everything, self.caps, one_bucket=True))
-        for i, p in enumerate(self.params):
+        self._hooks = [
             p.register_post_accumulate_grad_hook(partial(self._on_grad, i))
+            for i, p in enumerate(self.params)
+        ]
 
         self.phase = Phase.IDLE
         self.backwards = 0  # backward passes that reduced: static_graph's first one is special
@@ -196,6 +198,14 @@ class Reducer:
         self.replaced: list[torch.Tensor] = []  # gradients a bucket's view replaced
 
     # -- per iteration --------------------------------------------------------------------
+
+    def release(self) -> None:
+        """Take this reducer's hooks off the parameters, for good (a new tandem.DDP over the
+        same module takes over, as after a recovery re-formed the group)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        self.phase = Phase.IDLE
 
     def prepare(self, outputs: Any, sync: bool = True) -> None:
         """Called at the end of a forward that will be followed by backward."""
