@@ -401,9 +401,16 @@ class Run:
     # -- inside --------------------------------------------------------------------------------
 
     def _wrap(self) -> nn.Module:
+        """The module as the step calls it: in a new tandem.DDP over the current group (the
+        previous wrapper's gradient hooks are released first)."""
+        previous: DistributedDataParallel | None = getattr(self, "_ddp", None)
+        if previous is not None:
+            previous.reducer.release()
+        self._ddp = None
         if self.world_size == 1 and not (dist.is_available() and dist.is_initialized()):
             return self.module
-        return DistributedDataParallel(self.module, **self.ddp_kwargs)
+        self._ddp = DistributedDataParallel(self.module, **self.ddp_kwargs)
+        return self._ddp
 
     def _start_sampler(self) -> None:
         self.sampler = DistributedSampler(
@@ -487,9 +494,6 @@ class Run:
             timeout=timedelta(seconds=max(60.0, 6 * self.members.heartbeat_timeout)),
         )
         reformed(self.members.rank, self.members.world_size)
-        old = self.model
-        if isinstance(old, DistributedDataParallel):
-            old.reducer.release()
         self.model = self._wrap()
         self._start_sampler()
         self._pending = Recovery(
