@@ -65,6 +65,7 @@ from torch.utils.data._utils.collate import default_collate
 from tandem.data.sampler import DistributedSampler
 from tandem.doctor import mismatch
 from tandem.files import write_atomic
+from tandem.job.secret import key_scope
 from tandem.parallel.ddp import out_of_step
 from tandem.parallel.ddp.wrapper import DistributedDataParallel
 from tandem.world import reformed
@@ -76,8 +77,9 @@ MODE_VARIABLE = "TANDEM_RECOVER"
 #: Seconds without a heartbeat after which a rank counts as hung, unless the launcher says.
 HEARTBEAT_TIMEOUT_VARIABLE = "TANDEM_HEARTBEAT_TIMEOUT"
 DEFAULT_HEARTBEAT_TIMEOUT_S = 10.0
-#: Every key of the protocol lives under this prefix of the job's store.
-PREFIX = "tandem/recover/"
+#: Every key of the protocol lives under this prefix of the job's store (in the job secret's
+#: scope, as the launcher writes its keys: a client without the secret can forge none).
+PREFIX = f"tandem/{key_scope()}recover/"
 _BEAT_S = 0.5
 _POLL_S = 0.005
 
@@ -481,10 +483,7 @@ class Run:
         known = [s for s in since if s is not None]
         detected = now - max(known) if known else None
         backend = dist.get_backend()
-        try:
-            dist.destroy_process_group()
-        except Exception as error:  # a group whose peer died may refuse a clean teardown
-            log.warning("destroying the old process group: %s", error)
+        _abandon_group()
         g = self.members.generation
         dist.init_process_group(
             backend,
@@ -525,6 +524,19 @@ class Run:
             write_atomic(path, json.dumps(recovery.record()).encode())
         except OSError as error:
             log.warning("could not write the recovery record %s: %s", path, error)
+
+
+def _abandon_group() -> None:
+    """Take down the default group without waiting for its collectives: one may be blocked on
+    a hung peer, and a plain ``destroy_process_group`` would wait for it forever. The backend
+    is aborted (its blocked work fails), then torch forgets the group."""
+    from torch.distributed import distributed_c10d as c10d
+
+    try:
+        c10d._abort_process_group()
+    except Exception as error:  # an abort the backend refuses: tear down the plain way
+        log.warning("aborting the old process group: %s", error)
+        dist.destroy_process_group()
 
 
 def _rank() -> int:

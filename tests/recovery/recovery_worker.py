@@ -3,9 +3,10 @@
     python -m tests.recovery.recovery_worker OUT [--kill RANK:STEP:WHERE] [--stop-after K]
                                                  [--resume FILE] [--epochs E]
 
-``--kill`` makes launch rank RANK SIGKILL itself at step STEP, WHERE = ``forward`` (before its
-backward: the others wait in the all-reduce) or ``commit`` (after it: the others' all-reduce is
-done). ``--stop-after K`` saves the state after K committed steps to OUT.pt and exits (the
+``--kill`` makes launch rank RANK lose itself at step STEP, WHERE = ``forward`` (SIGKILL before
+its backward: the others wait in the all-reduce), ``commit`` (SIGKILL after it: the others'
+all-reduce is done) or ``hang`` (SIGSTOP before its backward: alive, silent, its connections
+open). ``--stop-after K`` saves the state after K committed steps to OUT and exits (the
 oracle's first half); ``--resume FILE`` loads it (the second half, at another world size).
 Rank 0 writes the final parameters and the run's record to OUT.
 """
@@ -13,6 +14,7 @@ Rank 0 writes the final parameters and the run's record to OUT.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
 import signal
 
@@ -41,6 +43,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(1)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     tandem.init()
     me = int(os.environ["RANK"])
     torch.manual_seed(0)
@@ -59,6 +62,8 @@ def main() -> None:
         loss = F.cross_entropy(model(x), y)
         if args.kill and me == int(victim) and run.step_count == int(at) and where == "forward":
             os.kill(os.getpid(), signal.SIGKILL)
+        if args.kill and me == int(victim) and run.step_count == int(at) and where == "hang":
+            os.kill(os.getpid(), signal.SIGSTOP)  # hung: alive, silent, holding its sockets
         loss.backward()
         if args.kill and me == int(victim) and run.step_count == int(at) and where == "commit":
             os.kill(os.getpid(), signal.SIGKILL)

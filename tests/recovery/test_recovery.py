@@ -1,31 +1,27 @@
 """Recovery in memory: survivors of a SIGKILLed rank re-form and end as a resume would.
 
-Proves, with real processes over Gloo and a real TCPStore hosted outside the workers (as
-``tandem run --recover in-memory`` hosts it):
+Proves, with ``tandem run --recover in-memory`` (real processes over Gloo; the launcher hosts
+the store, marks a dead rank there and kills a rank the others left out):
 
 - a rank SIGKILLed during a step (before its backward: the others are inside the gradient
   all-reduce; or after it: the others' all-reduce is done and they wait in the commit) costs
   that step only: the survivors re-form a group of 2 and redo it;
 - the run then ends **bitwise** equal to the oracle: the same job trained to that step at 3
   ranks, saved, and resumed at 2 ranks (parameters and optimizer state);
-- the recovery is recorded (lost rank, members, the step redone, times), and a rank that the
-  others left out stops with an error instead of training alone.
+- a hung rank (SIGSTOP) is left out after the heartbeat timeout and killed by the launcher;
+- the recovery is recorded (lost rank, members, the step redone, times) and listed in the exit
+  summary, within the issue's targets (3 s from the loss, 5 s for a hung rank).
 """
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
-import time
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from tests.harness import free_port
 from tests.launching import clean_env
 
 pytestmark = pytest.mark.launch
@@ -34,90 +30,62 @@ WORKER = "tests.recovery.recovery_worker"
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def start(nproc: int, args: list[str], recover: bool, port: int) -> list[subprocess.Popen]:
-    procs = []
-    for rank in range(nproc):
-        env = {
-            **clean_env(),
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(nproc),
-            "LOCAL_WORLD_SIZE": str(nproc),
-            "GROUP_RANK": "0",
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "TORCHELASTIC_USE_AGENT_STORE": "True",
-            "TORCHELASTIC_RESTART_COUNT": "0",
-            "TORCHELASTIC_RUN_ID": "recovery-test",
-            "PYTHONPATH": str(ROOT),
-        }
-        if recover:
-            env["TANDEM_RECOVER"] = "in-memory"
-            env["TANDEM_HEARTBEAT_TIMEOUT"] = "3"
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, "-m", WORKER, *args],
-                env=env,
-                cwd=ROOT,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-        )
-    return procs
-
-
-def launch(nproc: int, args: list[str], recover: bool = False, timeout: float = 120) -> list:
-    """Start ``nproc`` workers around a store this process hosts (the launcher's part: a
-    worker that dies is marked dead in the store, the others go on); each one's exit code."""
-    port = free_port()
-    store = dist.TCPStore(
-        "127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
-    )
-    procs = start(nproc, args, recover, port)
-    deadline = time.monotonic() + timeout
-    marked: set[int] = set()
-    while time.monotonic() < deadline:
-        codes = [p.poll() for p in procs]  # every one polled, every time
-        if None not in codes:
-            break
-        for rank, code in enumerate(codes):
-            if code not in (None, 0) and rank not in marked:
-                marked.add(rank)
-                how = json.dumps({"rank": rank, "how": f"exit {code}", "at": time.time()})
-                store.set(f"tandem/recover/dead/{rank}", how)
-        time.sleep(0.02)
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
-    outputs = [p.communicate()[0] for p in procs]
-    return [(p.returncode, out) for p, out in zip(procs, outputs, strict=True)]
+def launch(
+    nproc: int, args: list[str], recover: bool = False, timeout: float = 150, beat: float = 2
+) -> subprocess.CompletedProcess[str]:
+    """``tandem run --nproc-per-node N [--recover in-memory] -m the worker ARGS``."""
+    flags = ["--recover", "in-memory", "--heartbeat-timeout", f"{beat:g}"] if recover else []
+    return subprocess.run(
+        [sys.executable, "-m", "tandem.cli", "run", "--nproc-per-node", str(nproc), *flags,
+         "-m", WORKER, *args],
+        env={**clean_env(), "PYTHONPATH": str(ROOT)},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )  # fmt: skip
 
 
 def oracle(tmp_path: Path, step: int) -> dict:
     """Train at 3 ranks to ``step``, save, resume at 2 ranks to the end."""
     half = tmp_path / "half.pt"
     first = launch(3, [str(half), "--stop-after", str(step)])
-    assert all(code == 0 for code, _ in first), first
+    assert first.returncode == 0, first.stderr
     end = tmp_path / "oracle.pt"
     second = launch(2, [str(end), "--resume", str(half)])
-    assert all(code == 0 for code, _ in second), second
+    assert second.returncode == 0, second.stderr
     return torch.load(end, weights_only=True)
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("where", ["forward", "commit"])
-def test_a_killed_rank_costs_one_step_and_the_run_equals_a_resume(tmp_path, where):
+@pytest.mark.parametrize(
+    ("where", "how"),
+    [
+        ("forward", "killed by SIGKILL"),
+        ("commit", "killed by SIGKILL"),
+        ("hang", "hung or cut off"),
+    ],
+)
+def test_a_lost_rank_costs_one_step_and_the_run_equals_a_resume(tmp_path, where, how):
+    # forward: SIGKILL before its backward (the others wait in the all-reduce); commit: after
+    # it (their all-reduce is done, they wait in the commit); hang: SIGSTOP (alive and silent:
+    # after the 2 s heartbeat timeout the others go on, and the launcher kills it).
     step = 3
     out = tmp_path / "recovered.pt"
-    results = launch(3, [str(out), "--kill", f"2:{step}:{where}"], recover=True)
-    codes = [code for code, _ in results]
-    assert codes[:2] == [0, 0] and codes[2] == -9, results
+    result = launch(3, [str(out), "--kill", f"2:{step}:{where}"], recover=True)
+    assert result.returncode == 0, result.stderr
+    summary = [
+        line for line in result.stderr.splitlines() if line.startswith("tandem run: recovery 1:")
+    ]
+    assert summary and f"rank 2 ({how}" in summary[0], result.stderr
+    if where == "hang":
+        assert "rank 2 was left out of the job by the others" in result.stderr, result.stderr
     recovered = torch.load(out, weights_only=True)
     (recovery,) = recovered["recoveries"]
     assert recovery["lost"] == [2] and recovery["members"] == [0, 1], recovery
     assert recovery["step"] == step and recovery["generation"] == 1, recovery
-    assert recovery["recovered_s"] is not None and recovery["recovered_s"] < 30, recovery
+    limit = 5 if where == "hang" else 3  # the issue's targets, detection included
+    assert recovery["detected_s"] + recovery["recovered_s"] < limit, recovery
     assert recovered["world_size"] == 2
 
     expected = oracle(tmp_path, step)
@@ -128,3 +96,12 @@ def test_a_killed_rank_costs_one_step_and_the_run_equals_a_resume(tmp_path, wher
     for k, state in expected["optimizer"]["state"].items():
         got = recovered["optimizer"]["state"][k]["momentum_buffer"]
         assert torch.equal(got, state["momentum_buffer"]), k
+
+
+def test_without_a_failure_the_run_differs_from_the_resumed_one(tmp_path):
+    # The oracle means something: at 3 ranks throughout, the run ends elsewhere.
+    out = tmp_path / "plain.pt"
+    assert launch(3, [str(out)]).returncode == 0
+    plain, resumed = torch.load(out, weights_only=True), oracle(tmp_path, 3)
+    assert plain["steps"] != resumed["steps"]
+    assert any(not torch.equal(plain["model"][k], v) for k, v in resumed["model"].items())

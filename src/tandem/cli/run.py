@@ -23,6 +23,8 @@ from pathlib import Path
 
 from tandem.doctor import trace
 from tandem.launch.command import worker_command
+from tandem.launch.hostfile import read_hostfile
+from tandem.launch.in_memory import MODES, InMemoryCoordinator, check_one_node
 from tandem.launch.logfiles import LogPlan, parse_filters
 from tandem.launch.membership import ElasticCoordinator, ElasticSettings, JobEnded
 from tandem.launch.rendezvous import (
@@ -54,8 +56,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "run",
         help="start one worker per device (torchrun's flags)",
         description="Start NPROC_PER_NODE workers of a script or module with torchrun's "
-        "environment, supervise them, and stop them all at the first failure. Every torchrun "
-        "flag is accepted (dashes or underscores; PET_<NAME> variables as defaults).",
+        "environment, supervise them, and stop them all at the first failure (with --recover "
+        "in-memory, the others go on). Every torchrun flag is accepted (dashes or underscores; "
+        "PET_<NAME> variables as defaults).",
         formatter_class=DefaultsHelpFormatter,
     )
     add_torchrun_flags(p)
@@ -108,6 +111,27 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         type=float,
         help="after SIGTERM/SIGINT to tandem run: seconds the workers get to finish (a "
         "Trainer saves a checkpoint) before SIGKILL",
+    )
+    flag(
+        own,
+        "--recover",
+        default=MODES[0],
+        choices=list(MODES),
+        help="what a failed worker (non-zero exit, or a signal) costs. restart: every worker is "
+        "stopped (and restarted from the last checkpoint, up to --max-restarts). in-memory: "
+        "one node only (--nnodes 1); the launcher hosts the job's store, announces the lost "
+        "rank there and the others go on without it (a script using tandem's in-memory "
+        "recovery re-forms and redoes the step); the job succeeds if one worker runs to "
+        "completion. --max-restarts replaces no lost worker in this mode yet (default: "
+        "restart; see docs/guides/launching.md)",
+    )
+    flag(
+        own,
+        "--heartbeat-timeout",
+        default=10.0,
+        type=float,
+        help="with --recover in-memory: seconds a worker may be silent (hung, stopped, cut off) "
+        "before the others count it as lost and go on without it",
     )
     flag(
         own,
@@ -284,6 +308,17 @@ def build_spec(args: argparse.Namespace) -> tuple[LaunchSpec, Meeting]:
     """
     nproc = _nproc(str(args.nproc_per_node))
     nnodes, meeting = _placement(args)
+    if args.recover == "in-memory":
+        most = parse_nnodes(args.nnodes)[1] if args.nnodes is not None else nnodes
+        one_node = meeting.backend == "local" and most == 1
+        check_one_node(f"--nnodes {args.nnodes or nnodes}", one_node)
+        if not args.heartbeat_timeout > 0:
+            raise LaunchError(f"--heartbeat-timeout {args.heartbeat_timeout:g} must be > 0")
+        if args.max_restarts > 0:
+            _say(
+                f"warning: --max-restarts {args.max_restarts} with --recover in-memory: a lost "
+                "worker is not replaced yet (the others go on without it), nothing is restarted"
+            )
     if args.max_restarts < 0:
         raise LaunchError(f"--max-restarts {args.max_restarts} must be >= 0")
     if args.numa_binding:
@@ -332,6 +367,7 @@ def build_spec(args: argparse.Namespace) -> tuple[LaunchSpec, Meeting]:
         virtual_local_rank=args.virtual_local_rank,
         signals=_signals(args.signals_to_handle),
         local_ranks=frozenset(local) if local is not None else None,
+        recover=args.recover,
     )
     return spec, meeting
 
@@ -346,6 +382,10 @@ def run_command(args: argparse.Namespace) -> int:
     """``tandem run``: returns the exit status (0, or the first failure's)."""
     if args.hostfile is not None:  # one `tandem run` per host, over ssh
         from tandem.launch.ssh_launcher import run_hostfile
+
+        if args.recover == "in-memory":  # each host's launcher would refuse: say it once
+            hosts = len(read_hostfile(Path(args.hostfile)))
+            check_one_node(f"--hostfile of {hosts} hosts", hosts == 1)
 
         return run_hostfile(args, args.run_actions)
     term = args.term_timeout if args.shutdown_timeout is None else args.shutdown_timeout
@@ -363,7 +403,10 @@ def run_command(args: argparse.Namespace) -> int:
     # As torch's launcher does: in its own environment, which the workers inherit.
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = args.signals_to_handle
     coordinator: Coordinator
-    if meeting.backend == "local":
+    if meeting.backend == "local" and spec.recover == "in-memory":
+        # It hosts the store; the workers learn the heartbeat timeout from it.
+        coordinator = InMemoryCoordinator(meeting.addr, meeting.port, args.heartbeat_timeout)
+    elif meeting.backend == "local":
         coordinator = LocalCoordinator(meeting.addr, meeting.port)
     elif meeting.elastic is not None:
         elastic = ElasticCoordinator(

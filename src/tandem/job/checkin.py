@@ -260,7 +260,15 @@ def announce(host: str, port: int, entry: dict[str, Any], seconds: float = 5.0) 
         _enter(store, dict(entry, bad=True))
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
+    """Whether every address ``host`` resolves to is a loopback one (a store there is
+    reachable from this machine only).
+
+    Example::
+
+        >>> is_loopback("127.0.0.1"), is_loopback("10.0.0.1")
+        (True, False)
+    """
     try:
         infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
     except socket.gaierror:
@@ -274,7 +282,7 @@ def _host(host: str, port: int, timeout: float) -> Any:
 
     delta = timedelta(seconds=timeout)
     fd = None
-    if _is_loopback(host):
+    if is_loopback(host):
         family, _, _, _, address = socket.getaddrinfo(host, port, proto=socket.IPPROTO_TCP)[0]
         listener = socket.socket(family, socket.SOCK_STREAM)
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

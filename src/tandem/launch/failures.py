@@ -24,21 +24,29 @@ _LIKELY = {
 }
 
 
-def describe_exit(returncode: int) -> str:
-    """'exit code N' or 'killed by SIGNAME (likely cause)' for a Popen returncode."""
+def describe_exit(returncode: int, likely: bool = True) -> str:
+    """'exit code N' or 'killed by SIGNAME (likely cause)' for a Popen returncode; without the
+    likely cause when ``likely`` is false (a one-line summary: ``killed by SIGKILL``).
+
+    Example::
+
+        >>> describe_exit(-9, likely=False)
+        'killed by SIGKILL'
+    """
     if returncode >= 0:
         return f"exit code {returncode}"
     try:
         name = signal.Signals(-returncode).name
     except ValueError:
         return f"killed by signal {-returncode}"
-    cause = _LIKELY.get(name)
+    cause = _LIKELY.get(name) if likely else None
     return f"killed by {name}" + (f" ({cause})" if cause else "")
 
 
 @dataclass(frozen=True)
 class Failure:
-    """The first worker failure of an attempt, as the launcher reports it."""
+    """A worker's failure as the launcher reports it: the first of an attempt, or under
+    ``--recover in-memory`` each rank lost (:mod:`tandem.launch.in_memory`)."""
 
     rank: int
     local_rank: int
@@ -48,6 +56,8 @@ class Failure:
     #: Set where no worker of ours failed but a whole node was lost (its launcher stopped
     #: beating): what the summary says instead of a worker's exit.
     cause: str = ""
+    #: When the launcher saw the exit (``time.time()``, within its 20 ms poll); 0 if unknown.
+    at: float = 0.0
 
     def summary(
         self, laggards: Sequence[int] = (), collective: str = "", details: Sequence[str] = ()

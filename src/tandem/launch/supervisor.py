@@ -20,6 +20,11 @@ Per attempt:
    against ``--max-restarts``, as in torch's agent); each round may give this node another
    rank and the job another size.
 
+Under ``--recover in-memory`` (one node, ``in_memory.py``) there is one attempt: a worker that
+fails is recorded and announced in the job's store (which the launcher hosts), the others go
+on, and the job ends when every worker has exited: successfully if one ran to completion. The
+exit summary lists each recovery.
+
 SIGINT, SIGTERM and SIGUSR1 sent to the launcher are passed to every worker.
 
 Example::
@@ -49,11 +54,19 @@ from pathlib import Path
 
 from tandem.doctor import stragglers
 from tandem.launch.failures import Failure
+from tandem.launch.in_memory import (
+    RECOVER_VARIABLE,
+    lost_summary,
+    recovery_lines,
+    recovery_reports,
+)
 from tandem.launch.logfiles import LogPlan
 from tandem.launch.relay import CONSOLE_COLUMNS, CONSOLE_TTY, Console, console_env, relay
 from tandem.launch.rendezvous import ROUND_VARIABLE, Attempt, Coordinator, Restart
 
 TAIL_LINES = 30
+#: How a worker that the others left out of the job (``--recover in-memory``) was lost.
+LEFT_OUT = "hung or cut off: the others went on without it, and it was killed"
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 PR_SET_PDEATHSIG = 1
 
@@ -81,6 +94,9 @@ class LaunchSpec:
     virtual_local_rank: bool = False  # LOCAL_RANK=0, CUDA_VISIBLE_DEVICES narrowed to one GPU
     signals: tuple[int, ...] = FORWARDED  # passed on to every worker
     local_ranks: frozenset[int] | None = None  # --local-ranks-filter: shown on the console
+    # What a failed worker costs: "restart" (stop all; --max-restarts) or "in-memory" (the
+    # others go on; one node, with an InMemoryCoordinator hosting the store).
+    recover: str = "restart"
 
     def shown(self, local_rank: int) -> bool:
         """Whether this local rank's output reaches the console (both filters agree)."""
@@ -195,6 +211,8 @@ class Supervisor:
                 signal.signal(s, handler)
 
     def _attempts(self) -> int:
+        if self.spec.recover == "in-memory":
+            return self._in_memory()
         failure: Failure | None = None
         restarts = 0  # after failures only: torch's TORCHELASTIC_RESTART_COUNT
         attempt = 0
@@ -216,22 +234,7 @@ class Supervisor:
             outcome = self._watch(placement.round)
             ended = time.time()  # the signal or failure, within _watch's 20 ms poll
             if self.stop_signal is not None:
-                # The workers have the signal already; those still saving get the longer wait.
-                name = signal.Signals(self.stop_signal).name
-                self._wait_all(self.spec.term_timeout_s)
-                killed = [w.rank for w in self.workers if w.proc.poll() is None]
-                self._stop_all(signal.SIGKILL, 0)
-                _say(f"stopped by {name}")
-                if killed:
-                    _say(
-                        f"rank(s) {killed} still running {self.spec.term_timeout_s:g} s after "
-                        f"{name} were killed: a checkpoint being written then is lost (give "
-                        "them longer with --term-timeout)"
-                    )
-                saved = committed_checkpoint(self.reports, self.spec.run_id, ended, name)
-                if saved is not None:
-                    _say(saved)
-                return 128 + self.stop_signal
+                return self._stopped(self.stop_signal, ended)
             if outcome is None:
                 outcome = self.coordinator.finish(placement.round)
                 if outcome is None:
@@ -255,11 +258,104 @@ class Supervisor:
             _say(saved)
         return failure.exit_code()
 
+    def _stopped(self, signum: int, ended: float) -> int:
+        """A signal to the launcher ended the job at ``ended``: the workers have it already;
+        those still saving get ``--term-timeout``, then SIGKILL. The exit status."""
+        name = signal.Signals(signum).name
+        self._wait_all(self.spec.term_timeout_s)
+        killed = [w.rank for w in self.workers if w.proc.poll() is None]
+        self._stop_all(signal.SIGKILL, 0)
+        _say(f"stopped by {name}")
+        if killed:
+            _say(
+                f"rank(s) {killed} still running {self.spec.term_timeout_s:g} s after "
+                f"{name} were killed: a checkpoint being written then is lost (give "
+                "them longer with --term-timeout)"
+            )
+        saved = committed_checkpoint(self.reports, self.spec.run_id, ended, name)
+        if saved is not None:
+            _say(saved)
+        return 128 + signum
+
+    def _in_memory(self) -> int:
+        """``--recover in-memory``: one attempt; a failed worker is lost, not the job's end.
+
+        Each loss is announced in the store at once (``coordinator.report_failure``: the
+        survivors poll for it), then said here with the worker's last lines; what it left
+        behind (DataLoader workers in its process group) is killed. When every worker has
+        exited, the summary lists each recovery; the status is 0 if one worker ran to
+        completion, else the first loss's, reported as a failure is under ``restart``.
+        """
+        placement = self.coordinator.begin(0)
+        started = time.time()
+        self._start(0, 0, placement)
+        running = list(self.workers)
+        lost: list[Failure] = []
+        generation = 1
+        fenced: set[int] = set()
+        while running and self.stop_signal is None:
+            # The survivors decided a new membership: a worker left out of it (hung, or cut
+            # off) is killed, so that it can neither hold their collectives nor come back
+            # into a job that went on without it.
+            decided = self.coordinator.members(generation)  # type: ignore[attr-defined]
+            if decided is not None:
+                for worker in running:
+                    if worker.rank not in decided and worker.proc.poll() is None:
+                        _say(
+                            f"rank {worker.rank} was left out of the job by the others (hung or "
+                            "cut off): killing it"
+                        )
+                        fenced.add(worker.rank)
+                        worker.signal(signal.SIGKILL)
+                generation += 1
+            for worker in list(running):
+                code = worker.proc.poll()
+                if code is None:
+                    continue
+                running.remove(worker)
+                if code == 0:
+                    continue
+                cause = LEFT_OUT if worker.rank in fenced else ""
+                failure = Failure(
+                    worker.rank, worker.local_rank, self.host, code, (), cause, time.time()
+                )
+                self.coordinator.report_failure(placement.round, failure)  # survivors: now
+                worker.signal(signal.SIGKILL)  # its children, still in its process group
+                failure = dataclasses.replace(failure, tail=worker.drained_tail())
+                lost.append(failure)
+                _say(lost_summary(failure, len(running)))
+            if running:
+                time.sleep(0.02)
+        ended = time.time()
+        if self.stop_signal is not None:
+            return self._stopped(self.stop_signal, ended)
+        for w in self.workers:
+            w.drained_tail()
+        reports = recovery_reports(self.reports, since=started, run_id=self.spec.run_id)
+        for line in recovery_lines(lost, reports, started):
+            _say(line)
+        if len(lost) < len(self.workers):  # one ran to completion; the rest were recovered from
+            return 0
+        failure = lost[0]
+        _say(
+            f"every worker failed ({len(lost)} of {len(self.workers)}): no survivor was left "
+            "to go on (--recover in-memory)"
+        )
+        written = hang_reports(self.hang_reports, since=started)
+        _say(failure.summary(*held_up_by(failure.rank, written)))
+        if written:
+            _say(hang_report_text(*written[-1]))
+        saved = committed_checkpoint(self.reports, self.spec.run_id, ended, "the failure")
+        if saved is not None:
+            _say(saved)
+        return failure.exit_code()
+
     def _start(self, attempt: int, restarts: int, placement: Attempt) -> None:
         spec = self.spec
         base = dict(os.environ)
         base.pop("TORCHELASTIC_USE_AGENT_STORE", None)
         base.pop(ROUND_VARIABLE, None)
+        base.pop(RECOVER_VARIABLE, None)  # a launcher's launcher's: ours come with placement
         for name in (CONSOLE_TTY, CONSOLE_COLUMNS):  # a launcher's launcher's, not ours
             base.pop(name, None)
         base.update(self.console_env)

@@ -1,0 +1,346 @@
+"""``tandem run --recover in-memory``, the launcher's part: a lost worker does not stop the others.
+
+On one node (``--nnodes 1``) the launcher hosts the job's TCPStore itself, before any worker
+starts, at the MASTER_ADDR:MASTER_PORT the workers get, and gives them
+``TORCHELASTIC_USE_AGENT_STORE=True``: every rank connects as a client (torch's ``env://`` and
+``tandem.init()`` then start no store of their own), so rank 0 dying no longer takes the store
+with it. The workers also get ``TANDEM_RECOVER=in-memory``.
+
+A worker that exits non-zero or dies by a signal is *lost*, not the end of the job: the
+supervisor records it (rank, how it ended, when) and the coordinator writes the store key
+:func:`dead_key` (``tandem/recover/dead/<global rank>``, under the job secret's scope when
+``TANDEM_JOB_SECRET`` is set) as JSON ``{"rank", "how", "at", ...}``, which the survivors poll;
+they re-form among themselves and redo the step (the worker side, :mod:`tandem.recovery`). The
+job ends when every worker has exited: status 0 if at least one ran to completion (every
+other exit being a loss the survivors went on without), else the usual failure report.
+``--max-restarts`` restarts nothing in this mode yet: a lost rank is not replaced.
+
+The survivors note each recovery in the report directory (``TANDEM_REPORT_DIR``) as
+``tandem-recovery-*.json``; the exit summary joins them with the launcher's record
+(:func:`recovery_lines`).
+
+Imports no torch at import time: only :meth:`InMemoryCoordinator.begin` does, to host the store.
+
+Example::
+
+    coordinator = InMemoryCoordinator("127.0.0.1", port=None)
+    attempt = coordinator.begin(0)   # the store listens at attempt.addr:attempt.port
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import socket
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from tandem.job.checkin import is_loopback
+from tandem.job.secret import key_scope
+from tandem.launch.failures import Failure, describe_exit
+from tandem.launch.rendezvous import (
+    ROUND_VARIABLE,
+    Attempt,
+    LaunchError,
+    LocalCoordinator,
+    check_port_free,
+    free_port,
+)
+
+#: How a lost worker is handled: ``tandem run --recover``'s choices, the default first.
+MODES = ("restart", "in-memory")
+#: The workers' environment variable that says the mode (set only under ``in-memory``).
+RECOVER_VARIABLE = "TANDEM_RECOVER"
+#: Seconds of silence after which the workers count one of theirs as lost (tandem.recovery).
+HEARTBEAT_VARIABLE = "TANDEM_HEARTBEAT_TIMEOUT"
+#: What the launcher gives the workers so that every rank is a client of its store (torch's).
+AGENT_STORE_VARIABLE = "TORCHELASTIC_USE_AGENT_STORE"
+#: The report files the survivors write, one or more per recovery, in ``TANDEM_REPORT_DIR``.
+REPORT_GLOB = "tandem-recovery-*.json"
+# How long the store's own operations (in the launcher) wait.
+_STORE_TIMEOUT = timedelta(seconds=60)
+
+
+def dead_key(rank: int, environ: Mapping[str, str] = os.environ) -> str:
+    """The store key under which the launcher announces that global ``rank`` was lost, in the
+    job secret's scope (:func:`tandem.job.secret.key_scope`) so that only the job's own
+    processes can read or forge it.
+
+    Example::
+
+        >>> dead_key(2, {})
+        'tandem/recover/dead/2'
+        >>> dead_key(2, {"TANDEM_JOB_SECRET": "s3cret"})
+        'tandem/job-1ec1c26b50d5d3c58d9583181af80766/recover/dead/2'
+    """
+    return f"tandem/{key_scope(environ)}recover/dead/{rank}"
+
+
+def members_key(generation: int, environ: Mapping[str, str] = os.environ) -> str:
+    """The store key under which the survivors write generation ``generation``'s members (a
+    JSON list of global ranks), decided once (:class:`tandem.recovery.Membership`).
+
+    Example::
+
+        >>> members_key(1, {})
+        'tandem/recover/gen1/members'
+    """
+    return f"tandem/{key_scope(environ)}recover/gen{generation}/members"
+
+
+def death_record(failure: Failure) -> dict[str, Any]:
+    """The JSON the launcher writes under :func:`dead_key`: ``rank``, ``how`` (as the exit
+    summary says it), ``at`` (``time.time()`` of the exit), and the details.
+
+    Example::
+
+        >>> death_record(Failure(1, 1, "vm", -9, (), at=1700000000.5))["how"]
+        'killed by SIGKILL'
+    """
+    return {
+        "rank": failure.rank,
+        "how": describe_exit(failure.returncode, likely=False),
+        "at": failure.at,
+        "returncode": failure.returncode,
+        "local_rank": failure.local_rank,
+        "host": failure.host,
+    }
+
+
+def check_one_node(what: str, one_node: bool) -> None:
+    """``LaunchError`` unless ``one_node``: ``in-memory`` supports one node of fixed size so
+    far. ``what``: the job's size as the user gave it (``--nnodes 2``, ``--nnodes 1:2``).
+
+    Example::
+
+        check_one_node(f"--nnodes {args.nnodes}", nnodes == 1 and most == 1)
+    """
+    if one_node:
+        return
+    raise LaunchError(
+        f"--recover in-memory with {what}: only one node is supported so far (--nnodes 1, "
+        "every worker on this host); use --recover restart (the default) for many nodes or "
+        "an elastic MIN:MAX"
+    )
+
+
+class InMemoryCoordinator(LocalCoordinator):
+    """One node whose launcher hosts the job's TCPStore, which outlives any worker.
+
+    ``begin`` starts the store (on loopback only where the address is a loopback one, so no
+    other host can reach its keys) on ``port``, or on a port the kernel picks; the attempt's
+    environment makes every worker a client of it. ``report_failure`` announces a lost rank
+    under :func:`dead_key`. ``close`` (at the launcher's end, after every worker) stops it.
+    """
+
+    def __init__(self, addr: str, port: int | None, heartbeat_timeout: float = 10.0) -> None:
+        super().__init__(addr, port)
+        self.store: Any = None
+        self.heartbeat_timeout = heartbeat_timeout
+
+    def begin(self, attempt: int) -> Attempt:
+        if attempt != 0 or self.store is not None:
+            raise LaunchError("--recover in-memory does not restart its workers")
+        self.store, port = _host_store(self.addr, self.port)
+        env = {
+            AGENT_STORE_VARIABLE: "True",
+            ROUND_VARIABLE: "0",
+            RECOVER_VARIABLE: "in-memory",
+            HEARTBEAT_VARIABLE: f"{self.heartbeat_timeout:g}",
+        }
+        return Attempt(self.addr, port, env, 0, 1, attempt)
+
+    def report_failure(self, round: int, failure: Failure) -> None:
+        if self.store is not None:
+            self.store.set(dead_key(failure.rank), json.dumps(death_record(failure)))
+
+    def members(self, generation: int) -> list[int] | None:
+        """Generation ``generation``'s members as the survivors decided them, or None yet."""
+        key = members_key(generation)
+        if self.store is None or not self.store.check([key]):
+            return None
+        return [int(r) for r in json.loads(self.store.get(key))]
+
+    def close(self) -> None:
+        self.store = None  # the server stops with its last reference
+
+
+def _host_store(addr: str, port: int | None) -> tuple[Any, int]:
+    """A TCPStore server at ``addr`` (``port``, or a free one) and its port."""
+    # torch only here: the launcher of a `restart` job never imports it.
+    from torch.distributed import TCPStore
+
+    if port is not None:
+        check_port_free(addr, port)  # names the port, as a one-node restart job would
+    if not is_loopback(addr):  # torch's store listens on every interface, as torchrun's
+        chosen = port if port is not None else free_port(addr)
+        try:
+            store = TCPStore(addr, chosen, None, True, _STORE_TIMEOUT, wait_for_workers=False)
+        except RuntimeError as exc:
+            raise LaunchError(f"could not start the job's store at {addr}:{chosen}: {exc}") from exc
+        return store, chosen
+    family, _, _, _, address = socket.getaddrinfo(addr, port or 0, proto=socket.IPPROTO_TCP)[0]
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(address)
+        listener.listen(socket.SOMAXCONN)
+    except OSError as exc:
+        listener.close()
+        raise LaunchError(
+            f"could not listen at {addr}:{port or 0} for the job's store ({exc.strerror})"
+        ) from exc
+    chosen = listener.getsockname()[1]
+    fd = listener.detach()  # the store owns the socket from here on
+    try:
+        store = TCPStore(
+            addr, chosen, None, True, _STORE_TIMEOUT, wait_for_workers=False, master_listen_fd=fd
+        )
+    except (RuntimeError, OSError) as exc:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+        raise LaunchError(f"could not start the job's store at {addr}:{chosen}: {exc}") from exc
+    return store, chosen
+
+
+def lost_summary(failure: Failure, going_on: int) -> str:
+    """What the launcher says the moment a worker is lost: who, how, who goes on, its last
+    lines.
+
+    Example::
+
+        >>> print(lost_summary(Failure(1, 1, "vm", -9, (), at=1.0), 2))
+        tandem run: rank 1 (local rank 1 on vm) was lost: killed by SIGKILL (often the out-of-memory killer: check `dmesg` or the job's memory limit); the other 2 workers go on without it (--recover in-memory)
+    """  # noqa: E501
+    who = f"rank {failure.rank} (local rank {failure.local_rank} on {failure.host})"
+    others = (
+        f"the other {going_on} worker{'s' if going_on != 1 else ''} go on without it"
+        if going_on
+        else "no worker is left"
+    )
+    lines = [
+        f"tandem run: {who} was lost: {failure.cause or describe_exit(failure.returncode)}; "
+        f"{others} "
+        "(--recover in-memory)"
+    ]
+    if failure.tail:
+        lines.append(f"--- last {len(failure.tail)} lines of rank {failure.rank}'s stderr ---")
+        lines.extend(failure.tail)
+        lines.append("---")
+    return "\n".join(lines)
+
+
+def recovery_reports(
+    directory: Path, since: float = 0.0, run_id: str | None = None
+) -> list[dict[str, Any]]:
+    """The recoveries the survivors noted in ``directory`` (``tandem-recovery-*.json``) since
+    ``since`` (a ``time.time()``; older files are another run's), one per generation, oldest
+    generation first. A file naming another ``run_id`` is skipped; files of one generation
+    (one per survivor, say) are merged: the lost ranks joined, the slowest survivor's times.
+
+    Each has ``generation`` (int), ``lost`` and ``members`` (global ranks), ``detected_s``
+    (seconds from the failure to the survivors noticing), ``step`` (the step redone) and
+    ``recovered_s`` (seconds from detection to the next committed step); unreadable files and
+    missing fields are left out.
+
+    Example::
+
+        for report in recovery_reports(Path(os.environ["TANDEM_REPORT_DIR"]), since=started):
+            print(report["generation"], report["lost"])
+    """
+    merged: dict[Any, dict[str, Any]] = {}
+    for path in sorted(directory.glob(REPORT_GLOB)):
+        with contextlib.suppress(OSError, ValueError, TypeError):
+            if path.stat().st_mtime < since:
+                continue
+            report = json.loads(path.read_text())
+            if not isinstance(report, dict) or not isinstance(report.get("lost"), list):
+                continue
+            if run_id is not None and report.get("run_id") not in (None, run_id):
+                continue
+            generation = report.get("generation")
+            key = int(generation) if isinstance(generation, int) else str(path)
+            lost = [int(r) for r in report["lost"]]
+            members = [int(r) for r in report.get("members") or []]
+            if key not in merged:
+                merged[key] = dict(report, lost=sorted(set(lost)), members=members)
+                continue
+            seen = merged[key]
+            seen["lost"] = sorted(set(seen["lost"]) | set(lost))
+            for name in ("detected_s", "recovered_s"):
+                if _number(report.get(name)) is not None:
+                    seen[name] = max(_number(seen.get(name)) or 0.0, float(report[name]))
+    return [merged[k] for k in sorted(merged, key=lambda k: (isinstance(k, str), k))]
+
+
+def recovery_lines(
+    lost: Sequence[Failure], reports: Iterable[dict[str, Any]], started: float
+) -> list[str]:
+    """The exit summary's line per recovery: the launcher's record of each lost rank (which
+    rank, how it ended, when) joined with the survivors' report naming it (the step lost and
+    redone, by whom, how fast); a loss no report names says the survivors did not report a
+    recovery. In the order they happened; ``started``: the workers' start (``time.time()``).
+
+    Example::
+
+        >>> lost = [Failure(2, 2, "vm", -9, (), at=107.0)]
+        >>> report = {"generation": 1, "lost": [2], "members": [0, 1, 3], "detected_s": 0.31,
+        ...           "step": 7, "recovered_s": 0.94}
+        >>> recovery_lines(lost, [report], started=100.0)
+        ['recovery 1: rank 2 (killed by SIGKILL) lost at step 7; detected in 0.3 s; step 7 redone by ranks 0,1,3 in 0.9 s']
+        >>> recovery_lines(lost, [], started=100.0)
+        ['recovery 1: rank 2 (killed by SIGKILL) lost 7.0 s into the run; the survivors did not report a recovery']
+    """  # noqa: E501
+    by_rank = {f.rank: f for f in lost}
+    told: set[int] = set()
+    entries: list[tuple[float, int, str]] = []
+    for order, report in enumerate(reports):
+        ranks = list(report["lost"])
+        seen = [by_rank[r] for r in ranks if r in by_rank]
+        told.update(r for r in ranks if r in by_rank)
+        when = min((f.at for f in seen), default=math.inf)
+        entries.append((when, order, _reported(ranks, by_rank, report)))
+    for failure in lost:
+        if failure.rank not in told:
+            how = failure.cause or describe_exit(failure.returncode, likely=False)
+            into = f"{failure.at - started:.1f} s into the run" if failure.at else "at its end"
+            text = (
+                f"rank {failure.rank} ({how}) lost {into}; the survivors did not report a recovery"
+            )
+            entries.append((failure.at, len(entries), text))
+    entries.sort(key=lambda e: (e[0], e[1]))
+    return [f"recovery {i}: {text}" for i, (_, _, text) in enumerate(entries, 1)]
+
+
+def _reported(ranks: list[int], by_rank: Mapping[int, Failure], report: dict[str, Any]) -> str:
+    """One recovery a survivors' report describes, as its summary line says it."""
+    hows = [
+        f"{r} ({by_rank[r].cause or describe_exit(by_rank[r].returncode, likely=False)})"
+        if r in by_rank
+        else f"{r} (no exit seen by the launcher)"
+        for r in ranks
+    ]
+    step = report.get("step")
+    text = f"{'rank' if len(ranks) == 1 else 'ranks'} {', '.join(hows)} lost"
+    text += f" at step {step}" if step is not None else ""
+    detected = _number(report.get("detected_s"))
+    if detected is not None:
+        text += f"; detected in {detected:.1f} s"
+    members = [str(r) for r in report.get("members") or []]
+    by = f" by {'rank' if len(members) == 1 else 'ranks'} {','.join(members)}" if members else ""
+    recovered = _number(report.get("recovered_s"))
+    if recovered is not None:
+        text += f"; step {step} redone{by} in {recovered:.1f} s"
+    else:
+        text += f"; no step committed after it{by}"
+    return text
+
+
+def _number(value: object) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value)

@@ -1,0 +1,211 @@
+"""`tandem run --recover in-memory` on one node: a lost worker does not stop the others.
+
+- The launcher hosts the job's store before the workers start; the workers get
+  `TORCHELASTIC_USE_AGENT_STORE=True` and `TANDEM_RECOVER=in-memory` (neither under the
+  default `restart`), so every rank is a client of it.
+- A SIGKILLed rank (1, or rank 0: the store survives it) is announced at
+  `tandem/recover/dead/<rank>` ({"rank", "how", "at"}); the others go on, read it, still use
+  the store, and finish; the launcher exits 0 and its summary names the rank and SIGKILL.
+- `tandem.init()` and torch's own `env://` rendezvous work over the launcher's store.
+- Every worker failing is a failure, reported as under `restart`, with a non-zero status.
+- A survivor's `tandem-recovery-*.json` is joined with the launcher's record in the summary.
+- Many nodes, an elastic MIN:MAX, a host file of several hosts: refused, naming one node.
+- The default `restart` is unchanged (`test_run.py`: the first failure stops the others).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.launching import clean_env
+
+pytestmark = [pytest.mark.launch, pytest.mark.timeout(120)]
+
+HERE = Path(__file__).parent
+WORKER = str(HERE / "recover_worker.py")
+WORKERS = str(HERE / "workers.py")
+TANDEM = [sys.executable, "-m", "tandem.cli", "run"]
+
+
+def tandem_run(*args: str, timeout: float = 60, env: dict | None = None):
+    return subprocess.run(
+        [*TANDEM, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**clean_env(), **(env or {})},
+    )
+
+
+def _lines(stdout: str, word: str) -> dict[int, str]:
+    """rank -> the rest of its line starting with ``word``."""
+    found = {}
+    for line in stdout.splitlines():
+        m = re.match(rf"\[rank (\d+)\] {word} ?(.*)", line)
+        if m:
+            found[int(m.group(1))] = m.group(2)
+    return found
+
+
+@pytest.mark.parametrize("victim", [1, 0])
+def test_a_killed_rank_does_not_stop_the_others(victim):
+    start = time.time()
+    result = tandem_run(
+        "--recover", "in-memory", "--nproc-per-node", "3", WORKER, "kill", str(victim)
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    survivors = sorted({0, 1, 2} - {victim})
+    # Every worker was a client of the launcher's store, told so by the environment.
+    envs = {r: json.loads(text) for r, text in _lines(result.stdout, "ENV").items()}
+    assert sorted(envs) == [0, 1, 2]
+    for env in envs.values():
+        assert env["TANDEM_RECOVER"] == "in-memory"
+        assert env["TORCHELASTIC_USE_AGENT_STORE"] == "True"
+    # Each survivor read the launcher's record of the victim, then used the store (after rank 0
+    # died too) and finished: nobody stopped it.
+    seen = {r: json.loads(text) for r, text in _lines(result.stdout, "SAW").items()}
+    assert sorted(seen) == survivors
+    for record in seen.values():
+        assert record["rank"] == victim
+        assert record["how"] == "killed by SIGKILL"
+        assert start <= record["at"] <= time.time()
+    assert _lines(result.stdout, "ALIVE") == {r: str(r) for r in survivors}
+    assert sorted(_lines(result.stdout, "DONE")) == survivors
+    # The summary: the loss when it happened, and the recovery at the end.
+    assert f"rank {victim} (local rank {victim} on" in result.stderr
+    assert "was lost: killed by SIGKILL" in result.stderr
+    assert "the other 2 workers go on without it" in result.stderr
+    assert re.search(
+        rf"recovery 1: rank {victim} \(killed by SIGKILL\) lost [\d.]+ s into the run; the "
+        "survivors did not report a recovery",
+        result.stderr,
+    ), result.stderr
+    assert "failed first" not in result.stderr
+
+
+def test_survivors_report_joins_the_summary():
+    result = tandem_run(
+        "--recover", "in-memory", "--nproc-per-node", "3", WORKER, "kill", "2", "report"
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    match = re.search(
+        r"tandem run: recovery 1: rank 2 \(killed by SIGKILL\) lost at step 7; detected in "
+        r"([\d.]+) s; step 7 redone by ranks 0,1 in 0\.9 s",
+        result.stderr,
+    )
+    assert match, result.stderr
+    assert float(match.group(1)) < 10
+    assert "did not report" not in result.stderr
+
+
+def test_every_worker_failing_is_a_failure():
+    result = tandem_run("--recover", "in-memory", "--nproc-per-node", "3", WORKER, "fail_all")
+    assert result.returncode == 3, result.stdout + result.stderr
+    assert "every worker failed (3 of 3)" in result.stderr
+    assert "rank 0 (local rank 0 on" in result.stderr
+    assert "failed first: exit code 3" in result.stderr
+    for rank in range(3):
+        assert f"rank {rank} (exit code 3) lost" in result.stderr
+
+
+def test_tandem_init_over_the_launchers_store_survives_rank_0():
+    """tandem.init() checks in and forms its group at the launcher's store (every rank a
+    client); with rank 0 gone, the others still use the store they met in."""
+    result = tandem_run(
+        "--recover", "in-memory", "--nproc-per-node", "3", WORKER, "init", "0", timeout=90
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert _lines(result.stdout, "SUM") == {r: f"3.0 RANK {r}" for r in range(3)}
+    assert sorted(_lines(result.stdout, "SAW")) == [1, 2]
+    assert _lines(result.stdout, "ALIVE") == {1: "ok", 2: "ok"}
+
+
+def test_torchs_env_rendezvous_over_the_launchers_store():
+    result = tandem_run(
+        "--recover", "in-memory", "--nproc-per-node", "2", WORKERS, "torchrun_script", timeout=90
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = sorted(line for line in result.stdout.splitlines() if "SUM" in line)
+    assert lines == ["[rank 0] SUM 1.0 WORLD 2 RANK 0", "[rank 1] SUM 1.0 WORLD 2 RANK 1"]
+
+
+def test_the_default_restart_is_unchanged():
+    """No launcher's store, no agent-store variable; the killed rank stops the others."""
+    start = time.monotonic()
+    result = tandem_run("--nproc-per-node", "3", WORKER, "kill", "1")
+    assert result.returncode == 128 + 9, result.stdout + result.stderr
+    assert time.monotonic() - start < 30  # the others wait 60 s: they were stopped
+    envs = {r: json.loads(text) for r, text in _lines(result.stdout, "ENV").items()}
+    assert 1 in envs  # the others may be stopped before they print
+    for env in envs.values():
+        assert env["TANDEM_RECOVER"] is None
+        assert env["TORCHELASTIC_USE_AGENT_STORE"] is None
+    assert "rank 1 (local rank 1 on" in result.stderr
+    assert "failed first: killed by SIGKILL" in result.stderr
+    assert "DONE" not in result.stdout and "recovery" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "what"),
+    [
+        (["--nnodes", "2", "--master-addr", "127.0.0.1"], "--nnodes 2"),
+        (["--nnodes", "1:2"], "--nnodes 1:2"),
+        (
+            ["--nnodes", "1:2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:1"],
+            "--nnodes 1:2",
+        ),
+    ],
+)
+def test_many_nodes_are_refused(args, what):
+    start = time.monotonic()
+    result = tandem_run("--recover", "in-memory", *args, WORKER, "kill", "1", timeout=30)
+    assert result.returncode == 2, result.stderr
+    assert f"--recover in-memory with {what}: only one node is supported" in result.stderr
+    assert "--nnodes 1" in result.stderr
+    assert "READY" not in result.stdout
+    assert time.monotonic() - start < 20
+
+
+def test_a_hostfile_of_several_hosts_is_refused(tmp_path):
+    hosts = tmp_path / "hosts"
+    hosts.write_text("node-a slots=1\nnode-b slots=1\n")
+    result = tandem_run(
+        "--recover", "in-memory", "--hostfile", str(hosts), WORKER, "kill", "1", timeout=30
+    )
+    assert result.returncode == 2, result.stderr
+    assert "--recover in-memory with --hostfile of 2 hosts: only one node" in result.stderr
+
+
+def test_help_says_what_in_memory_does_not_do_yet():
+    out = subprocess.run(
+        [*TANDEM, "--help"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={**clean_env(), "COLUMNS": "1000"},  # no word broken at a hyphen
+    )
+    text = " ".join(out.stdout.split())
+    assert "--recover {restart,in-memory}" in text
+    assert "--max-restarts replaces no lost worker in this mode yet" in text
+    assert "(default: restart" in text
+
+
+def test_max_restarts_is_said_to_restart_nothing():
+    result = tandem_run(
+        "--recover", "in-memory", "--max-restarts", "2", "--nproc-per-node", "2", WORKER,
+        "kill", "1",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "--max-restarts 2 with --recover in-memory: a lost worker is not replaced" in (
+        result.stderr
+    )
+    assert "restarting" not in result.stderr
+    assert os.environ.get("TANDEM_RECOVER") is None  # the test's own environment untouched
