@@ -34,6 +34,7 @@ TINY = {
         "--samples", "8", "--batch", "4", "--floats", "4", "--read-ms", "0",
     ],
     "launch": ["--pairs", "1", "--nproc", "2", "--no-floor", "--timeout", "60"],
+    "recovery": ["--trials", "1", "--nproc", "2", "--ways", "kill", "restart", "--after", "2"],
     "sampler": ["--sizes", "1000", "--pairs", "1", "--iterate", "10"],
     "sharded": [
         "--world-sizes", "2", "--rounds", "1", "--steps", "1", "--warmup", "1",
