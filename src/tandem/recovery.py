@@ -45,6 +45,7 @@ Example::
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -63,7 +64,7 @@ from torch.utils.data import Dataset
 from torch.utils.data._utils.collate import default_collate
 
 from tandem.data.sampler import DistributedSampler
-from tandem.doctor import mismatch
+from tandem.doctor import mismatch, records
 from tandem.files import write_atomic
 from tandem.job.secret import key_scope
 from tandem.parallel.ddp import out_of_step
@@ -365,6 +366,7 @@ class Run:
         while True:
             batch = self._next_batch()
             self.optimizer.zero_grad(set_to_none=True)
+            lost = False
             try:
                 result = fn(self.model, batch)
                 if self.members is not None:
@@ -374,6 +376,10 @@ class Run:
             except Exception as error:
                 if self.members is None or not self._lost_member(error):
                     raise
+                lost = True
+            if lost:
+                # Outside the except block: its traceback (the frames of the failed step, which
+                # hold the old group's work) is gone before the old group is taken down.
                 self._recover()
                 continue
             break
@@ -483,7 +489,15 @@ class Run:
         known = [s for s in since if s is not None]
         detected = now - max(known) if known else None
         backend = dist.get_backend()
+        # Nothing of the old group may outlive it: its sockets close only when its last
+        # reference goes, and a survivor still blocked in the failed step's collective (on a
+        # live peer that left it) is released only by that peer's sockets closing.
+        if self._ddp is not None:
+            self._ddp.reducer.release()
+        self._ddp, self.model = None, self.module
+        records.clear()
         _abandon_group()
+        gc.collect()
         g = self.members.generation
         dist.init_process_group(
             backend,
