@@ -21,8 +21,10 @@ then goes on by itself:
 4. They build a **new process group** over a fresh key prefix of the same store (the old one
    is destroyed), wrap the module in a new tandem.DDP, and **redo the step** at the smaller
    world size from the state they hold: the sampler deals the samples of the epoch not yet
-   trained on to the new world, as a resume at another world size does. So the run ends where
-   "train to the failed step, save, resume at the new size" ends, bitwise.
+   trained on to the new world, as a resume at another world size does, and each rank starts
+   the redo from the random generators of the rank whose place it takes (published in the
+   store at every commit). So the run ends where "train to the failed step, save, resume at the
+   new size" ends, bitwise.
 
 Without ``--recover in-memory`` (or with one process) :class:`Run` is a plain DDP loop: the
 same steps, no store traffic.
@@ -45,7 +47,9 @@ Example::
 
 from __future__ import annotations
 
+import base64
 import gc
+import io
 import json
 import logging
 import os
@@ -63,6 +67,7 @@ from torch import nn
 from torch.utils.data import Dataset
 from torch.utils.data._utils.collate import default_collate
 
+from tandem.checkpoint.rng import capture_rng_state, derived_seed, restore_rng_state, seed_rng
 from tandem.data.sampler import DistributedSampler
 from tandem.doctor import mismatch, records
 from tandem.files import write_atomic
@@ -333,6 +338,7 @@ class Run:
         self.model: nn.Module = self._wrap()
         self._committed: dict[str, Any] | None = None  # the sampler after the last commit
         self._start_sampler()
+        self._keep_rng()
 
     # -- what a loop reads ----------------------------------------------------------------
 
@@ -386,6 +392,7 @@ class Run:
         self.optimizer.step()
         self.step_count += 1
         self._committed = self.sampler.state_dict()
+        self._keep_rng()
         self._after_commit()
         return result
 
@@ -458,6 +465,35 @@ class Run:
             if not self.finished:
                 self._start_sampler()
 
+    def _keep_rng(self) -> None:
+        """This rank's generators as the next step starts (after a commit): a redo of that step
+        starts from them again, on whichever rank takes this rank's place. In recovery mode
+        they are published in the store too, for a survivor renumbered into this rank's place."""
+        self._rng = capture_rng_state()
+        if self.members is not None:
+            buffer = io.BytesIO()
+            torch.save(self._rng, buffer)
+            text = base64.b64encode(buffer.getvalue()).decode()  # the store's values are text
+            self.members.store.set(self.members.key("rng", self.members.me), text)
+
+    def _restore_rng(self, old_members: list[int]) -> None:
+        """Take the generators of the rank whose place this one takes: its own where it keeps its
+        number, else the published ones of the old member at this new rank (as a resume at
+        another world size maps them: new rank r continues saved rank r's generators)."""
+        assert self.members is not None
+        source = old_members[self.members.rank]
+        if source == self.members.me:
+            restore_rng_state(self._rng)
+            return
+        key = self.members.key("rng", source)
+        if not self.members.store.check([key]):
+            seed_rng(derived_seed("tandem.recovery", self.seed, self.members.rank))
+            log.warning("no generator state of rank %d: seeded rank %d's anew", source, self.rank)
+            return
+        saved = base64.b64decode(self.members.store.get(key))
+        state = torch.load(io.BytesIO(saved), weights_only=True)
+        restore_rng_state(state)
+
     def _lost_member(self, error: BaseException) -> bool:
         """Whether ``error`` came from a member being gone (waiting up to a heartbeat timeout
         for the launcher's mark or the silence to show)."""
@@ -482,6 +518,7 @@ class Run:
         assert self._heartbeat is not None
         with self._heartbeat.lock:
             dead, beats = self.members.dead(), self.members.last_beats()
+            old_members = list(self.members.members)
             lost = self.members.reform()
             mismatch.reset()  # the new group starts with no failure
         # Detection time: from the launcher's record of the death, else from the last beat.
@@ -509,6 +546,7 @@ class Run:
         reformed(self.members.rank, self.members.world_size)
         self.model = self._wrap()
         self._start_sampler()
+        self._restore_rng(old_members)
         self._pending = Recovery(
             generation=g,
             lost=lost,

@@ -19,11 +19,13 @@ import os
 import signal
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import TensorDataset
 
 import tandem
+from tandem.checkpoint.rng import capture_rng_state, restore_rng_state
 from tandem.recovery import Run
 
 
@@ -47,14 +49,17 @@ def main() -> None:
     tandem.init()
     me = int(os.environ["RANK"])
     torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 2))
+    net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Dropout(0.25), nn.Linear(16, 2))
     opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    torch.manual_seed(100 + me)  # every rank draws its own dropout masks
     run = Run(net, opt, data(), batch_size=4, epochs=args.epochs, seed=3)
     if args.resume:
         saved = torch.load(args.resume, weights_only=True)
         net.load_state_dict(saved["model"])
         opt.load_state_dict(saved["optimizer"])
         run.load_state_dict(saved["run"])
+        # As a resume at another world size maps them: new rank r continues saved rank r's.
+        restore_rng_state(saved["rng"][tandem.world().rank])
     victim, at, where = args.kill.split(":") if args.kill else (None, None, None)
 
     def train_step(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> float:
@@ -73,8 +78,11 @@ def main() -> None:
         run.step(train_step)
         if args.stop_after is not None and run.step_count == args.stop_after:
             break
+    states = [None] * tandem.world().world_size
+    dist.all_gather_object(states, capture_rng_state())
     if tandem.world().rank == 0:
         record = {
+            "rng": states,
             "model": {k: v.clone() for k, v in net.state_dict().items()},
             "optimizer": opt.state_dict(),
             "run": run.state_dict(),

@@ -8,7 +8,8 @@ the store, marks a dead rank there and kills a rank the others left out):
   that step only: the survivors re-form a group one smaller (renumbered where the lost rank
   was not the last) and redo it;
 - the run then ends **bitwise** equal to the oracle: the same job trained to that step at the
-  full size, saved, and resumed at one rank fewer (parameters and optimizer state);
+  full size, saved, and resumed at one rank fewer (parameters, optimizer state, and every
+  rank's generators: the model draws dropout masks, each rank its own);
 - a hung rank (SIGSTOP) is left out after the heartbeat timeout and killed by the launcher;
 - the recovery is recorded (lost rank, members, the step redone, times) and listed in the exit
   summary, within the issue's targets (3 s from the loss, 5 s for a hung rank).
@@ -100,6 +101,10 @@ def test_a_lost_rank_costs_one_step_and_the_run_equals_a_resume(
     for k, state in expected["optimizer"]["state"].items():
         got = recovered["optimizer"]["state"][k]["momentum_buffer"]
         assert torch.equal(got, state["momentum_buffer"]), k
+    # Every rank ends with the generators the resumed run's rank ends with (the dropout masks
+    # drawn after the loss are the same): a renumbered survivor took its new place's.
+    for mine, theirs in zip(recovered["rng"], expected["rng"], strict=True):
+        assert torch.equal(mine["torch"], theirs["torch"])
 
 
 def test_without_a_failure_the_run_differs_from_the_resumed_one(tmp_path):
