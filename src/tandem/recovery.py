@@ -88,6 +88,7 @@ DEFAULT_HEARTBEAT_TIMEOUT_S = 10.0
 PREFIX = f"tandem/{key_scope()}recover/"
 _BEAT_S = 0.5
 _POLL_S = 0.005
+_COMMIT_SLICE = timedelta(seconds=0.05)
 
 
 class MembershipError(RuntimeError):
@@ -191,13 +192,15 @@ class Membership:
         keys = [self.key(f"gen{self.generation}", "commit", step, r) for r in self.members]
         self.store.set(keys[self.rank], "1")
         next_gen = self.key(f"gen{self.generation + 1}", "join")
-        checked = time.monotonic()
-        while not self.store.check(keys):
-            time.sleep(_POLL_S)
-            if time.monotonic() - checked > 0.05:  # membership checks cost a few store calls
-                checked = time.monotonic()
+        while True:
+            try:
+                # Returns the moment the last key is set; a slice that runs out looks for a
+                # member gone (a few store calls) before waiting again.
+                self.store.wait(keys, _COMMIT_SLICE)
+                break
+            except dist.DistStoreError:
                 if self.gone() or _any_key(self.store, next_gen, self.members):
-                    raise _Lost(f"a member left during the commit of step {step}")
+                    raise _Lost(f"a member left during the commit of step {step}") from None
         if step >= 2:  # every member is past the commit before the last one: tidy it
             self.store.delete_key(self.key(f"gen{self.generation}", "commit", step - 2, self.me))
 
