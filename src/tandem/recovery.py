@@ -72,6 +72,7 @@ from tandem.data.sampler import DistributedSampler
 from tandem.doctor import mismatch, records
 from tandem.files import write_atomic
 from tandem.job.secret import key_scope
+from tandem.parallel.adapters import model_state, optimizer_state
 from tandem.parallel.ddp import out_of_step
 from tandem.parallel.ddp.wrapper import DistributedDataParallel
 from tandem.world import reformed
@@ -316,6 +317,21 @@ class Run:
     ) -> None:
         if batch_size < 1 or epochs < 1:
             raise ValueError(f"batch_size ({batch_size}) and epochs ({epochs}) must be >= 1")
+        wrapped = model_state(module)
+        if wrapped.sharded or wrapped.reducer is not None or wrapped.target is not module:
+            raise ValueError(
+                f"tandem.recovery.Run takes the plain module and wraps it in tandem.DDP itself "
+                f"(anew after a recovery); this one is a {type(module).__name__}: pass the "
+                "module inside it (a sharded model is not recovered in memory yet: use "
+                "--recover restart with checkpoints)"
+            )
+        if optimizer_state(optimizer).sharded:
+            raise ValueError(
+                f"tandem.recovery.Run with a {type(optimizer).__name__}: its state is sharded "
+                "across ranks, so a lost rank would take its shard along and the survivors "
+                "would step without it. Use a plain optimizer (each rank holds the whole "
+                "state), or --recover restart with checkpoints"
+            )
         self.module, self.optimizer, self.dataset = module, optimizer, dataset
         self.batch_size, self.epochs = batch_size, epochs
         self.seed, self.shuffle, self.collate_fn = seed, shuffle, collate_fn
