@@ -67,6 +67,7 @@ from torch import nn
 from torch.utils.data import Dataset
 from torch.utils.data._utils.collate import default_collate
 
+from tandem._dist import group_rank, group_size, initialized
 from tandem.checkpoint.rng import capture_rng_state, derived_seed, restore_rng_state, seed_rng
 from tandem.data.sampler import DistributedSampler
 from tandem.doctor import mismatch, records
@@ -342,13 +343,12 @@ class Run:
         self._pending: Recovery | None = None
         self.members: Membership | None = None
         self._heartbeat: _Heartbeat | None = None
-        grouped = dist.is_available() and dist.is_initialized()
-        size = dist.get_world_size() if grouped else 1
-        if grouped and size > 1 and os.environ.get(MODE_VARIABLE) == "in-memory":
+        size = group_size()
+        if size > 1 and os.environ.get(MODE_VARIABLE) == "in-memory":
             timeout = heartbeat_timeout or float(
                 os.environ.get(HEARTBEAT_TIMEOUT_VARIABLE, DEFAULT_HEARTBEAT_TIMEOUT_S)
             )
-            me = dist.get_rank()
+            me = group_rank()
             self.members = Membership(_job_store(), me, list(range(size)), timeout)
             self._heartbeat = _Heartbeat(self.members)
             self._heartbeat.start()
@@ -368,11 +368,11 @@ class Run:
 
     @property
     def rank(self) -> int:
-        return self.members.rank if self.members is not None else _rank()
+        return self.members.rank if self.members is not None else group_rank()
 
     @property
     def world_size(self) -> int:
-        return self.members.world_size if self.members is not None else _size()
+        return self.members.world_size if self.members is not None else group_size()
 
     # -- the step -----------------------------------------------------------------------------
 
@@ -441,7 +441,7 @@ class Run:
         if previous is not None:
             previous.reducer.release()
         self._ddp = None
-        if self.world_size == 1 and not (dist.is_available() and dist.is_initialized()):
+        if self.world_size == 1 and not initialized():
             return self.module
         self._ddp = DistributedDataParallel(self.module, **self.ddp_kwargs)
         return self._ddp
@@ -485,15 +485,16 @@ class Run:
                 self._start_sampler()
 
     def _keep_rng(self) -> None:
-        """This rank's generators as the next step starts (after a commit): a redo of that step
-        starts from them again, on whichever rank takes this rank's place. In recovery mode
-        they are published in the store too, for a survivor renumbered into this rank's place."""
+        """In recovery mode: this rank's generators as the next step starts (after a commit),
+        kept and published in the store: a redo of that step starts from them again, on
+        whichever rank takes this rank's place (itself, or a survivor renumbered into it)."""
+        if self.members is None:
+            return  # nothing is redone without recovery: no need to keep them
         self._rng = capture_rng_state()
-        if self.members is not None:
-            buffer = io.BytesIO()
-            torch.save(self._rng, buffer)
-            text = base64.b64encode(buffer.getvalue()).decode()  # the store's values are text
-            self.members.store.set(self.members.key("rng", self.members.me), text)
+        buffer = io.BytesIO()
+        torch.save(self._rng, buffer)
+        text = base64.b64encode(buffer.getvalue()).decode()  # the store's values are text
+        self.members.store.set(self.members.key("rng", self.members.me), text)
 
     def _restore_rng(self, old_members: list[int]) -> None:
         """Take the generators of the rank whose place this one takes: its own where it keeps its
@@ -608,14 +609,6 @@ def _abandon_group() -> None:
     except Exception as error:  # an abort the backend refuses: tear down the plain way
         log.warning("aborting the old process group: %s", error)
         dist.destroy_process_group()
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def _size() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def _job_store() -> dist.Store:

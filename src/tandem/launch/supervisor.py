@@ -245,18 +245,27 @@ class Supervisor:
                 _say(outcome.reason)
                 continue
             failure = outcome
-            written = hang_reports(self.hang_reports, since=started)
-            _say(failure.summary(*held_up_by(failure.rank, written)))
-            if written:
-                _say(hang_report_text(*written[-1]))
+            self._say_failure(failure, started)
             if restarts == self.spec.max_restarts:
                 break
             restarts += 1
             _say(f"restarting all workers (restart {restarts} of {self.spec.max_restarts})")
+        self._say_checkpoint(ended)
+        return failure.exit_code()
+
+    def _say_failure(self, failure: Failure, started: float) -> None:
+        """Who failed and how, headed by the laggards a hang report written since ``started``
+        names, followed by that report."""
+        written = hang_reports(self.hang_reports, since=started)
+        _say(failure.summary(*held_up_by(failure.rank, written)))
+        if written:
+            _say(hang_report_text(*written[-1]))
+
+    def _say_checkpoint(self, ended: float) -> None:
+        """The checkpoint committed by the time the job ended, if any: what a restart resumes."""
         saved = committed_checkpoint(self.reports, self.spec.run_id, ended, "the failure")
         if saved is not None:
             _say(saved)
-        return failure.exit_code()
 
     def _stopped(self, signum: int, ended: float) -> int:
         """A signal to the launcher ended the job at ``ended``: the workers have it already;
@@ -341,13 +350,8 @@ class Supervisor:
             f"every worker failed ({len(lost)} of {len(self.workers)}): no survivor was left "
             "to go on (--recover in-memory)"
         )
-        written = hang_reports(self.hang_reports, since=started)
-        _say(failure.summary(*held_up_by(failure.rank, written)))
-        if written:
-            _say(hang_report_text(*written[-1]))
-        saved = committed_checkpoint(self.reports, self.spec.run_id, ended, "the failure")
-        if saved is not None:
-            _say(saved)
+        self._say_failure(failure, started)
+        self._say_checkpoint(ended)
         return failure.exit_code()
 
     def _start(self, attempt: int, restarts: int, placement: Attempt) -> None:

@@ -211,12 +211,12 @@ class ReplicatedEngine(Engine):
         super().__init__(
             model, module, optimizer, PlainModel(module, reducer), optimizer_state(optimizer)
         )
-        self._reducer = reducer
 
     def carry(self, rider: Rider) -> bool:
-        if self._reducer is None:
+        reducer = self.model_state.reducer
+        if reducer is None:
             return False
-        self._reducer.end_of_backward.rider = rider
+        reducer.end_of_backward.rider = rider
         return True
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
