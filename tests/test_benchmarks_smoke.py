@@ -29,6 +29,10 @@ TINY = {
     ],
     "dp": ["--pairs", "1", "--steps", "1", "--warmup", "1", "--models", "mlp", "--lm-batch", "4"],
     "gpu": ["--device", "cpu", "--tiny", "--pairs", "1", "--steps", "1", "--warmup", "2"],
+    "elastic_reform": [  # tandem only (torchrun's re-form takes ~50 s), short beats
+        "--quick", "--ways", "tandem", "--rdzv-conf", "keep_alive_interval=0.2",
+        "--settle", "0.5", "--timeout", "60",
+    ],
     "io": [
         "--world", "2", "--group-sizes", "2", "--storage", "parallel", "--pairs", "1",
         "--samples", "8", "--batch", "4", "--floats", "4", "--read-ms", "0",

@@ -9,11 +9,17 @@ restart forms a new round from the nodes that register for it:
 1. Registering: a launcher takes a place in round R (an atomic counter) and writes its id and
    host there. A node that arrives while round R runs registers for R + 1: it is *waiting*;
    one that arrives while MAX nodes run is refused.
-2. Closing, by node 0 alone: once MIN nodes are registered it waits the last call
-   (``last_call_timeout``, torch's 30 s) for more, up to MAX, and for the nodes of the previous
-   round that are still alive (they come as soon as their workers have stopped), then writes
-   round R's members: itself, then the others in order of arrival. A registered node left out
-   waits for the next round.
+2. Closing, by node 0 alone, at once when MAX nodes are registered. Otherwise, once MIN are:
+   the job's first round (and one re-formed to admit waiting nodes) waits the last call
+   (``last_call_timeout``, torch's 30 s) for more, then for the nodes of the previous round
+   that are still alive (they come as soon as their workers have stopped). A round re-formed
+   after a failure knows whom it waits for: the failed round's nodes that still beat. It
+   closes as soon as each of them has registered or is lost (its beat stale for
+   ``lost_after``, the same bound as while running), with no last call: a dead node costs
+   the time its beat takes to go stale, not 30 s more; a node arriving later waits and is
+   admitted at a restart (step 3). Either way node 0 waits for a beating node at most the
+   last call plus ``lost_after``. Then it writes round R's members: itself, then the others
+   in order of arrival. A registered node left out waits for the next round.
 3. Running: each launcher beats (a counter in the store, every ``keep_alive_interval``); a
    member whose beat stops for ``keep_alive_interval * keep_alive_max_attempt`` is lost (its
    launcher was killed, or its host is down): the first launcher to notice records a failure
@@ -72,7 +78,9 @@ class ElasticSettings:
     Attributes:
         min_nodes, max_nodes: ``--nnodes MIN:MAX``.
         join_timeout: how long a round may take to reach MIN nodes (torch's 600 s).
-        last_call: after MIN nodes are there, how long to wait for more (torch's 30 s).
+        last_call: after MIN nodes are there, how long the first round (or one admitting
+            waiting nodes) waits for more (torch's 30 s); a round re-formed after a failure
+            waits only for the failed round's nodes that still beat.
         keep_alive_interval, keep_alive_max_attempt: a launcher beats every interval; a node
             whose beat stops for ``interval * max_attempt`` seconds is lost.
         is_host: this node hosts the store (None: it does if the endpoint is its address).
@@ -213,11 +221,11 @@ class ElasticCoordinator:
         return [json.loads(self.store.get(k)) for k in keys if self.store.check([k])]
 
     def _close(self, round: int) -> None:
-        """Node 0: open ``round``, wait for MIN nodes and the last call, write its members."""
+        """Node 0: open ``round``, wait for MIN nodes and for the nodes it expects, write its
+        members (see the module's step 2 for whom each kind of round waits for)."""
         s = self.settings
-        alive = [m["id"] for m in self.members if m["id"] != self.id]
-        lost = self._lost_ids(alive)
-        alive = [m for m in alive if m not in lost]
+        reform = self.round >= 0 and self._failed(self.round)
+        coming = [m["id"] for m in self.members if m["id"] != self.id]
         self.store.set(self._key("round"), str(round))
         started = time.monotonic()
         quorum_at: float | None = None
@@ -228,15 +236,17 @@ class ElasticCoordinator:
                 quorum_at = now
             if 1 + count >= s.max_nodes:
                 break
-            if quorum_at is not None and now - quorum_at >= s.last_call:
-                came = {m["id"] for m in self._registered(round, count)}
-                # The previous round's nodes that still beat are on their way back (stopping
-                # their workers takes a moment): without them a smaller round would form, and
-                # restart at once to admit them. A lost one stops beating within lost_after.
-                lost = self._lost_ids(alive)
-                alive = [m for m in alive if m not in came and m not in lost]
-                if not alive or now - quorum_at >= s.last_call + s.lost_after:
-                    break
+            if quorum_at is not None:
+                waited = now - quorum_at
+                # After a failure the nodes to wait for are known: the failed round's, unless
+                # lost. A first round (or one admitting waiting nodes) cannot know who else is
+                # starting up, so it gives them the last call; then it too waits for the
+                # previous round's nodes still stopping their workers, which would otherwise be
+                # left out and restart the new round at once to be admitted.
+                if reform or waited >= s.last_call:
+                    coming = self._still_coming(round, count, coming)
+                    if not coming or waited >= s.last_call + s.lost_after:
+                        break
             elif now - started > s.join_timeout:
                 raise LaunchError(
                     f"only {1 + count} of at least {s.min_nodes} nodes (--nnodes "
@@ -251,6 +261,20 @@ class ElasticCoordinator:
         self.members = [self._me(), *others]
         self.round = round
         self.store.set(self._key(round, "members"), json.dumps(self.members))
+
+    def _failed(self, round: int) -> bool:
+        """Whether ``round`` ended in a failure (a worker's, or a lost node), not a membership
+        change: every node records one there before it stops its workers."""
+        return bool(self.store.check([self._key(round, "failed")]))
+
+    def _still_coming(self, round: int, count: int, expected: list[str]) -> list[str]:
+        """The ids of ``expected`` neither registered for ``round`` (``count`` arrivals) nor
+        lost: a node of the previous round still stopping its workers beats on meanwhile, a
+        dead one's beat goes stale within ``lost_after`` (the bound that tells them apart
+        while the job runs, so a re-form does not judge a slow node sooner)."""
+        came = {m["id"] for m in self._registered(round, count)}
+        lost = set(self._lost_ids(expected))
+        return [i for i in expected if i not in came and i not in lost]
 
     def _join(self, round: int | None) -> None:
         """Every other node: register for ``round`` (None: the one open now) until admitted."""
