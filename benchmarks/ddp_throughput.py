@@ -21,6 +21,11 @@ Run::
 
 ``--records-overhead`` adds a third engine, tandem.DDP with the collective records
 (``tandem.doctor.records``) switched off during its rounds, and prints recorded/unrecorded.
+
+``--recovery-overhead`` adds tandem.DDP with what ``--recover in-memory`` costs a Trainer while
+nothing fails: every step commits through the job's store (this rank's generators and loss sums
+as its key's value, :class:`tandem.recovery.Membership`'s commit) and a heartbeat thread beats,
+and prints committed/plain.
 """
 
 from __future__ import annotations
@@ -102,13 +107,39 @@ ENGINES = ("tandem", "torch")
 # With --records-overhead: tandem.DDP again, with the collective records switched off for its
 # rounds (tandem.doctor.records), to measure what recording costs.
 UNRECORDED = "tandem_unrecorded"
+# With --recovery-overhead: tandem.DDP committing every step as under --recover in-memory.
+COMMITTED = "tandem_committed"
 
 
 def _wrap(engine: str, model: nn.Module, device: torch.device) -> nn.Module:
     ids = [device.index] if device.type == "cuda" else None
-    if engine in ("tandem", UNRECORDED):
+    if engine in ("tandem", UNRECORDED, COMMITTED):
         return tandem.DDP(model, device_ids=ids)
     return TorchDDP(model, device_ids=ids)
+
+
+class _Commit:
+    """A Trainer's commit under ``--recover in-memory``, on its own, with the heartbeat."""
+
+    def __init__(self, rank: int, world: int) -> None:
+        from tandem.recovery import Membership, _Heartbeat, _job_store
+
+        self.members = Membership(_job_store(), rank, list(range(world)), heartbeat_timeout=10)
+        self.heartbeat = _Heartbeat(self.members)
+        self.heartbeat.start()
+        self.step = 0
+
+    def __call__(self) -> None:
+        from tandem.checkpoint.rng import capture_rng_state
+        from tandem.recovery import encode
+
+        value = {
+            "rng": capture_rng_state(),
+            "epoch_loss": [0.5, 8],
+            "window": {"sums": [0.5, 8, 0, 0]},
+        }
+        self.members.wait_commit(self.step, encode(value))
+        self.step += 1
 
 
 def _round(model, opt, batches, device) -> float:
@@ -118,7 +149,7 @@ def _round(model, opt, batches, device) -> float:
     dist.barrier()
     start = time.perf_counter()
     for x, y in batches:
-        _step(model, opt, x, y)
+        _step(model, opt, x, y, COMMITS.get(id(model)))
     if device.type == "cuda":
         torch.cuda.synchronize()
     elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
@@ -126,9 +157,15 @@ def _round(model, opt, batches, device) -> float:
     return elapsed.item()
 
 
-def _step(model, opt, x, y) -> None:
+# The commit of each engine that has one, by id(model).
+COMMITS: dict[int, _Commit] = {}
+
+
+def _step(model, opt, x, y, commit=None) -> None:
     opt.zero_grad(set_to_none=True)
     F.cross_entropy(model(x), y).backward()
+    if commit is not None:
+        commit()
     opt.step()
 
 
@@ -145,7 +182,7 @@ def _interleaved(engines: dict, names: tuple[str, ...], batches, device, pair: i
                 torch.cuda.synchronize()
             dist.barrier()
             start = time.perf_counter()
-            _step(model, opt, x, y)
+            _step(model, opt, x, y, COMMITS.get(id(model)))
             if device.type == "cuda":
                 torch.cuda.synchronize()
             spent[k, e] = time.perf_counter() - start
@@ -175,10 +212,14 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
             for _ in range(args.steps)
         ]
         engines = {}
-        engine_names = (*ENGINES, UNRECORDED) if args.records_overhead else ENGINES
+        engine_names = ENGINES
+        engine_names += (UNRECORDED,) if args.records_overhead else ()
+        engine_names += (COMMITTED,) if args.recovery_overhead else ()
         for engine in engine_names:
             torch.manual_seed(0)
             model = _wrap(engine, factory().to(device), device)
+            if engine == COMMITTED:
+                COMMITS[id(model)] = _Commit(rank, world)
             opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
             _round(model, opt, batches[: args.warmup], device)  # warm-up and bucket rebuild
             engines[engine] = (model, opt)
@@ -213,8 +254,16 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
             report[name]["ratio_recorded_over_unrecorded"] = statistics.median(
                 [a / b for a, b in pairs]
             )
+        if args.recovery_overhead:
+            pairs = zip(rate[COMMITTED], rate["tandem"], strict=True)
+            report[name]["ratio_committed_over_plain"] = statistics.median(
+                [a / b for a, b in pairs]
+            )
     if rank == 0:
         Path(out).write_text(json.dumps(report))
+    for commit in COMMITS.values():
+        commit.heartbeat.stopped.set()
+        commit.heartbeat.join()
     dist.barrier()  # Gloo may abort a rank whose peer tears down mid-operation
     dist.destroy_process_group()
 
@@ -239,6 +288,12 @@ def main(argv: list[str] | None = None) -> dict:
         "--records-overhead",
         action="store_true",
         help="also run tandem.DDP with the collective records off, and print recording's cost",
+    )
+    parser.add_argument(
+        "--recovery-overhead",
+        action="store_true",
+        help="also run tandem.DDP committing every step as under --recover in-memory, and "
+        "print its cost",
     )
     args = parser.parse_args(argv)
 
@@ -284,6 +339,15 @@ def main(argv: list[str] | None = None) -> dict:
         print("|---|---:|---:|")
         for name, r in report.items():
             print(f"| {name} | {r['tensors']} | {r['ratio_recorded_over_unrecorded']:.3f} |")
+    if args.recovery_overhead:
+        print("\nRecovery in memory while nothing fails: tandem.DDP with the commit / without")
+        print("| model | tensors | samples/s committed | committed/plain |")
+        print("|---|---:|---:|---:|")
+        for name, r in report.items():
+            print(
+                f"| {name} | {r['tensors']} | {r['samples_per_s'][COMMITTED]:.0f} | "
+                f"{r['ratio_committed_over_plain']:.3f} |"
+            )
     print(f"JSON: {args.json}")
     return result
 

@@ -26,6 +26,7 @@ TINY = {
     "ddp_throughput": [
         "--world", "2", "--pairs", "1", "--steps", "1", "--warmup", "1",
         "--models", "deep_200x16", "--interleave", "step",  # the warm-up runs a whole round
+        "--recovery-overhead",
     ],
     "dp": ["--pairs", "1", "--steps", "1", "--warmup", "1", "--models", "mlp", "--lm-batch", "4"],
     "gpu": ["--device", "cpu", "--tiny", "--pairs", "1", "--steps", "1", "--warmup", "2"],

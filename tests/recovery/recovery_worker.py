@@ -1,22 +1,40 @@
 """A worker of the recovery tests: a small DDP loop written with tandem.recovery.Run.
 
-    python -m tests.recovery.recovery_worker OUT [--kill RANK:STEP:WHERE] [--stop-after K]
+    python -m tests.recovery.recovery_worker OUT [--kill RANK:STEP:WHERE ...] [--stop-after K]
                                                  [--resume FILE] [--epochs E]
+                                                 [--bucket-cap-mb MB]
 
-``--kill`` makes launch rank RANK lose itself at step STEP, WHERE = ``forward`` (SIGKILL before
-its backward: the others wait in the all-reduce), ``commit`` (SIGKILL after it: the others'
-all-reduce is done) or ``hang`` (SIGSTOP before its backward: alive, silent, its connections
-open). ``--stop-after K`` saves the state after K committed steps to OUT and exits (the
-oracle's first half); ``--resume FILE`` loads it (the second half, at another world size).
-Rank 0 writes the final parameters and the run's record to OUT.
+``--kill`` (repeatable: several ranks may be lost) makes launch rank RANK lose itself at step
+STEP, WHERE =
+
+- ``forward``: SIGKILL before its backward (the others wait in the gradient all-reduce);
+- ``backward``: SIGKILL inside its backward, from a hook on the first layer's weight gradient
+  (computed last): with ``--bucket-cap-mb`` small, the buckets of the later layers are
+  all-reduced already (launched on every rank), the first layer's are not;
+- ``commit``: SIGKILL after its backward (the others' all-reduce is done, they wait in the
+  commit);
+- ``step``: SIGKILL inside ``optimizer.step`` (a step pre-hook): every member set its commit key
+  (``Run`` steps the optimizer only then), so the others apply that step and meet the loss at
+  the next one;
+- ``hang``: SIGSTOP before its backward (alive, silent, its connections open).
+
+Before it goes, the victim writes ``OUT.killed-RANK`` (JSON: where, step, the world size it was
+in, and for ``backward`` the buckets launched and in all). Every worker writes its process id
+to ``OUT.pid-RANK`` at its start (the test checks that none is left at the end).
+
+``--stop-after K`` saves the state after K committed steps to OUT and exits (the oracle's first
+half; K = 0 saves before any step); ``--resume FILE`` loads it (the second half, at another
+world size). Rank 0 writes the final parameters and the run's record to OUT.
 """
 
 from __future__ import annotations
 
 import argparse
 import faulthandler
+import json
 import os
 import signal
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -28,6 +46,8 @@ import tandem
 from tandem.checkpoint.rng import capture_rng_state, restore_rng_state
 from tandem.recovery import Run
 
+WHERES = ("forward", "backward", "commit", "step", "hang")
+
 
 def data() -> TensorDataset:
     g = torch.Generator().manual_seed(7)
@@ -36,23 +56,33 @@ def data() -> TensorDataset:
     return TensorDataset(x, y)
 
 
+def kill_spec(text: str) -> tuple[int, int, str]:
+    rank, step, where = text.split(":")
+    if where not in WHERES:
+        raise argparse.ArgumentTypeError(f"WHERE is one of {', '.join(WHERES)}, not {where!r}")
+    return int(rank), int(step), where
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
-    parser.add_argument("--kill", default=None)
+    parser.add_argument("--kill", type=kill_spec, action="append", default=[])
     parser.add_argument("--stop-after", type=int, default=None)
     parser.add_argument("--resume", default=None)
     parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("--bucket-cap-mb", type=float, default=None)
     args = parser.parse_args()
     torch.set_num_threads(1)
     faulthandler.register(signal.SIGUSR1, all_threads=True)
-    tandem.init()
     me = int(os.environ["RANK"])
+    Path(f"{args.out}.pid-{me}").write_text(str(os.getpid()))
+    tandem.init()
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Dropout(0.25), nn.Linear(16, 2))
     opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
     torch.manual_seed(100 + me)  # every rank draws its own dropout masks
-    run = Run(net, opt, data(), batch_size=4, epochs=args.epochs, seed=3)
+    ddp_kwargs = {} if args.bucket_cap_mb is None else {"bucket_cap_mb": args.bucket_cap_mb}
+    run = Run(net, opt, data(), batch_size=4, epochs=args.epochs, seed=3, ddp_kwargs=ddp_kwargs)
     if args.resume:
         saved = torch.load(args.resume, weights_only=True)
         net.load_state_dict(saved["model"])
@@ -60,24 +90,37 @@ def main() -> None:
         run.load_state_dict(saved["run"])
         # As a resume at another world size maps them: new rank r continues saved rank r's.
         restore_rng_state(saved["rng"][tandem.world().rank])
-    victim, at, where = args.kill.split(":") if args.kill else (None, None, None)
+    mine = {where: step for rank, step, where in args.kill if rank == me}
+
+    def lose(where: str, **details: int) -> None:
+        """SIGKILL (SIGSTOP for ``hang``) this rank if it is to be lost here at this step."""
+        if mine.get(where) != run.step_count:
+            return
+        record = {"where": where, "step": run.step_count, "world_size": run.world_size}
+        Path(f"{args.out}.killed-{me}").write_text(json.dumps({**record, **details}))
+        os.kill(os.getpid(), signal.SIGSTOP if where == "hang" else signal.SIGKILL)
+
+    def in_backward(grad: torch.Tensor) -> None:
+        if "backward" in mine:
+            reducer = run.model.reducer  # type: ignore[union-attr]
+            lose("backward", launched=reducer.next_bucket, buckets=len(reducer.buckets))
+
+    # A tensor hook fires as the gradient is computed, before tandem.DDP's hook (after it is
+    # accumulated) can launch its bucket; the first layer's weight gradient comes last.
+    net[0].weight.register_hook(in_backward)
+    opt.register_step_pre_hook(lambda *_: lose("step"))
 
     def train_step(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> float:
         x, y = batch
         loss = F.cross_entropy(model(x), y)
-        if args.kill and me == int(victim) and run.step_count == int(at) and where == "forward":
-            os.kill(os.getpid(), signal.SIGKILL)
-        if args.kill and me == int(victim) and run.step_count == int(at) and where == "hang":
-            os.kill(os.getpid(), signal.SIGSTOP)  # hung: alive, silent, holding its sockets
+        lose("forward")
+        lose("hang")  # hung: alive, silent, holding its sockets
         loss.backward()
-        if args.kill and me == int(victim) and run.step_count == int(at) and where == "commit":
-            os.kill(os.getpid(), signal.SIGKILL)
+        lose("commit")
         return loss.item()
 
-    while not run.finished:
+    while not run.finished and run.step_count != args.stop_after:
         run.step(train_step)
-        if args.stop_after is not None and run.step_count == args.stop_after:
-            break
     states = [None] * tandem.world().world_size
     dist.all_gather_object(states, capture_rng_state())
     if tandem.world().rank == 0:

@@ -104,3 +104,58 @@ def test_ranks_marked_dead_do_not_count_against_the_majority(store_address):
     mark_dead(store_address, 3)
     results = reform_all(store_address, [0, 1], [0, 1, 2, 3])
     assert results == {0: ([0, 1], [2, 3], 0, 1), 1: ([0, 1], [2, 3], 1, 1)}
+
+
+def test_a_commit_returns_on_every_member_once_all_have_set_their_key(store_address):
+    results: dict[int, object] = {}
+
+    def one(r: int) -> None:
+        m = Membership(client(store_address), r, [0, 1, 2], heartbeat_timeout=5.0)
+        m.wait_commit(0, value=f"state of {r}")
+        results[r] = m.committed_values(0)
+
+    threads = [threading.Thread(target=one, args=(r,)) for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    expected = {r: f"state of {r}" for r in range(3)}
+    assert results == {0: expected, 1: expected, 2: expected}
+
+
+def test_a_member_that_gave_up_on_a_silent_peer_aborts_the_step_for_everyone(store_address):
+    """Rank 2 is silent (its last beat is old) when rank 0 waits: rank 0 gives up and proposes
+    'abort'. Rank 2 then wakes and sets its key, and rank 1 sees every key: it must abort too
+    (the first proposal wins), or rank 1 would step a step that rank 0 left."""
+    beat(store_address, [0, 1])
+    beat(store_address, [2], at=time.time() - 60)
+    zero = Membership(client(store_address), 0, [0, 1, 2], heartbeat_timeout=1.0)
+    client(store_address).set(f"{PREFIX}gen0/commit/4/1", "1")  # rank 1 is done
+    with pytest.raises(RuntimeError, match="left during the commit of step 4"):
+        zero.wait_commit(4)
+    beat(store_address, [2])
+    client(store_address).set(f"{PREFIX}gen0/commit/4/2", "1")  # rank 2 wakes, late
+    one = Membership(client(store_address), 1, [0, 1, 2], heartbeat_timeout=1.0)
+    with pytest.raises(RuntimeError, match="left during the commit of step 4"):
+        one.wait_commit(4)
+
+
+def test_a_member_that_sees_a_peer_gone_after_every_key_was_set_still_commits(store_address):
+    """Rank 0's wait slice runs out just before rank 2 sets the last key; rank 2 then dies
+    (its part is done: the others hold its gradients) and rank 0 sees it gone. Rank 0 must
+    commit, as rank 1 (which saw every key) does, not leave the step alone."""
+    beat(store_address, [0, 1, 2])
+    client(store_address).set(f"{PREFIX}gen0/commit/3/1", "1")
+    zero = Membership(client(store_address), 0, [0, 1, 2], heartbeat_timeout=1.0)
+    real_gone = zero.gone
+
+    def gone(store=None):  # between the slice's end and the look: the last key, the death
+        client(store_address).set(f"{PREFIX}gen0/commit/3/2", "1")
+        mark_dead(store_address, 2)
+        return real_gone(store)
+
+    zero.gone = gone  # type: ignore[method-assign]
+    zero.wait_commit(3)
+    one = Membership(client(store_address), 1, [0, 1, 2], heartbeat_timeout=1.0)
+    one.store.delete_key(f"{PREFIX}gen0/commit/3/1")
+    one.wait_commit(3)  # sees every key: commits, as rank 0 did

@@ -220,6 +220,15 @@ class RunLog:
             kind, message = verdict
             raise {"ImportError": ImportError, "OSError": OSError}.get(kind, ValueError)(message)
 
+    def reopen(self, *, main: bool, start_step: int) -> None:
+        """The group was re-formed (recovery in memory) and rank 0 may be another process:
+        the old loggers are flushed and let go, ``main``'s opened from ``start_step`` (a
+        collective, as :meth:`open`)."""
+        if self.main:
+            flush_all(self.loggers)
+        self.loggers, self.main = [], main
+        self.open(start_step=start_step)
+
     def write(self, metrics: dict[str, Any], step: int) -> None:
         """``metrics`` of optimizer step ``step`` to the loggers (rank 0; a no-op elsewhere)."""
         if self.main:

@@ -47,10 +47,13 @@ from tandem._profile import span
 from tandem.checkpoint.checkpointer import Checkpointer, check_writable
 from tandem.doctor import step_clock
 from tandem.doctor import trace as tracing
-from tandem.parallel.engine import Engine, make_engine
+from tandem.parallel.adapters import model_state
+from tandem.parallel.engine import Engine, ReplicatedEngine, make_engine
+from tandem.recovery import MembershipError
 from tandem.train import arguments
 from tandem.train.arguments import OptimizerArg, SchedulerArg
 from tandem.train.evaluation import evaluate, lockstep_forwards
+from tandem.train.in_memory import InMemory
 from tandem.train.loaders import Loaders, make_loaders
 from tandem.train.loggers import LoggerArg, check_loggers
 from tandem.train.metrics_log import Summary, epoch_line, write_metrics
@@ -60,8 +63,8 @@ from tandem.train.progress import Progress
 from tandem.train.run_state import RunState
 from tandem.train.step import BatchStep, StepFn, Update, check_clip, make_steps
 from tandem.train.step_log import RunLog, SavedRun, lr_of
-from tandem.train.stop_and_save import Decision
-from tandem.world import World, init
+from tandem.train.stop_and_save import Decision, Requests
+from tandem.world import World, init, world
 
 PrecisionName = Literal["32-true", "bf16-mixed", "fp16-mixed", "bf16-true"]
 
@@ -321,12 +324,12 @@ class Trainer:
         mode.convert_module(model)
         # The model as forward calls it (tandem.DDP when world > 1), its optimizer, and how
         # they sync, clip and save: the Trainer never asks which engine it is.
+        self._wraps_itself = model_state(model).target is model  # a plain module
+        self._engine_args: dict[str, Any] = dict(
+            ddp_kwargs=ddp_kwargs, checkpoint_format=checkpoint_format, scaler=scaler
+        )
         self.engine = make_engine(
-            model,
-            arguments.build_optimizer(optimizer, model),
-            ddp_kwargs=ddp_kwargs,
-            checkpoint_format=checkpoint_format,
-            scaler=scaler,
+            model, arguments.build_optimizer(optimizer, model), **self._engine_args
         )
         self.scheduler = arguments.build_scheduler(scheduler, self.engine.optimizer)
         self.precision = mode.name
@@ -339,36 +342,68 @@ class Trainer:
         )
         check_writable(self.run_dir)
 
-        eval_batch_size = eval_batch_size or batch_size
-        self.loaders = make_loaders(
-            self.world,
-            train_data,
-            eval_data,
+        self._data = (train_data, eval_data)
+        self._loader_args: dict[str, Any] = dict(
             batch_size=batch_size,
-            eval_batch_size=eval_batch_size,
+            eval_batch_size=eval_batch_size or batch_size,
             seed=seed,
             drop_last=drop_last,
             num_workers=num_workers,
             collate_fn=collate_fn,
         )
-        self.sampler = self.loaders.sampler  # its len() is this rank's samples per epoch
-        self.train_loader, self.eval_loader = self.loaders.train, self.loaders.eval
-        self._eval_forwards = lockstep_forwards(self.model, eval_data, eval_batch_size)
-        # Where the run stands; the checkpointer saves it with the engine and these objects.
-        self.state = RunState(
-            self.sampler,
-            world_size=self.world.world_size,
-            batch_size=batch_size,
-            grad_accum_steps=grad_accum_steps,
-        )
-        # Stop and checkpoint requests ride in the engine's own per-step all-reduce where it
-        # has one (tandem.DDP): no collective of their own between log steps.
-        self.state.requests.riding = self.engine.carry(self.state.requests)
+        self._make_loaders_and_state(Requests())
         self.log = RunLog(self.run_dir, logger_args, main=self.world.is_main)
         self._lr: float | None = None  # of the last optimizer step, for the step log
         if resume is not None:
             self._resume(resume)
         self.log.open(start_step=self.state.step)  # a resumed run's logs cut back to its step
+        # Under `tandem run --recover in-memory`: a lost rank costs the step, not the run.
+        self._in_memory = InMemory(self)
+
+    def _make_loaders_and_state(self, requests: Requests) -> None:
+        """What depends on the world's size and this rank's place in it, beside the engine:
+        the loaders (the sampler deals the data by rank), the run state, and the requests
+        riding in the engine's collective."""
+        train_data, eval_data = self._data
+        self.loaders = make_loaders(self.world, train_data, eval_data, **self._loader_args)
+        self.sampler = self.loaders.sampler  # its len() is this rank's samples per epoch
+        self.train_loader, self.eval_loader = self.loaders.train, self.loaders.eval
+        self._eval_forwards = lockstep_forwards(
+            self.model, eval_data, self._loader_args["eval_batch_size"]
+        )
+        # Where the run stands; the checkpointer saves it with the engine and these objects.
+        self.state = RunState(
+            self.sampler,
+            world_size=self.world.world_size,
+            batch_size=self._loader_args["batch_size"],
+            grad_accum_steps=self.grad_accum_steps,
+        )
+        self.state.requests = requests
+        # Stop and checkpoint requests ride in the engine's own per-step all-reduce where it
+        # has one (tandem.DDP): no collective of their own between log steps.
+        requests.riding = self.engine.carry(requests)
+
+    def _release_world(self) -> None:
+        """Recovery in memory: let go of everything of the old group (tandem.DDP's hooks and
+        its wrapper, a request's collective in flight), before the group is taken down."""
+        reducer = self.engine.model_state.reducer
+        if reducer is not None:
+            reducer.release()
+        self.state.requests.discard()
+        plain = ReplicatedEngine(self.module, self.module, self.optimizer)
+        self.engine, self._update = plain, Update(plain, self._scaler_state, self.clip_grad_norm)
+
+    def _build_world(self) -> None:
+        """Recovery in memory: the group was re-formed; build what depends on it anew (the
+        state is loaded by :class:`tandem.train.in_memory.InMemory`)."""
+        self.world = world()
+        module, optimizer = self.module, self.optimizer
+        self.engine = make_engine(module, optimizer, **self._engine_args)
+        self._update = Update(self.engine, self._scaler_state, self.clip_grad_norm)
+        self.checkpointer.rank = self.world.rank
+        self._make_loaders_and_state(self.state.requests)
+        # The last committed step's boundary is redone: its log record is written again.
+        self.log.reopen(main=self.world.is_main, start_step=max(self.state.step - 1, 0))
 
     def train(self, max_epochs: int | None = None, max_steps: int | None = None) -> Summary:
         """Train until ``max_epochs`` or ``max_steps`` (default: the constructor's), or a stop.
@@ -394,10 +429,25 @@ class Trainer:
         self.optimizer.zero_grad()
         run.start_session()
         run.requests.discard()  # one an earlier train() sent before it raised
+        self._in_memory.start(self)
         stopped: Decision | None = None
+        redo = False
         with run.requests.signals():
             while not plan.finished(epoch=run.epoch, step=run.step) and stopped is None:
-                stopped = self._run_epoch(plan)
+                lost = False
+                try:
+                    stopped = self._run_epoch(plan, redo_boundary=redo)
+                except MembershipError:
+                    raise
+                except Exception as error:
+                    if not self._in_memory.lost(error):
+                        raise
+                    lost = True
+                if lost:  # outside the except block: the failed step's frames are gone
+                    redo = self._in_memory.recover(self)
+                    run = self.state
+                else:
+                    redo = False
         run.end_session()
         self.progress.close()
         if self.world.is_main and (stopped is not None or run.batch):
@@ -410,9 +460,10 @@ class Trainer:
         self._finish()
         return self._summary(stopped.reason if stopped else None)
 
-    def _run_epoch(self, plan: RunPlan) -> Decision | None:
+    def _run_epoch(self, plan: RunPlan, redo_boundary: bool = False) -> Decision | None:
         """Run what is left of the epoch in progress, and its end if it gets there; return
-        the agreement that stopped the run, else None."""
+        the agreement that stopped the run, else None. ``redo_boundary``: first the boundary
+        of the last step, which a lost rank cut short (recovery in memory)."""
         run = self.state
         self.model.train()
         per_epoch = len(self.train_loader)
@@ -420,11 +471,14 @@ class Trainer:
         batches = self.loaders.epoch(run.epoch)
         self._segment_start = time.monotonic()  # the epoch's clock runs (see _clock_in)
         while run.batch < per_epoch:
-            group = min(self.grad_accum_steps, per_epoch - run.batch)
-            for i in range(group):
-                self._run_batch(next(batches), sync=i == group - 1, weight=1 / group)
-            self._optimizer_step()
-            run.batch += group
+            if not redo_boundary:
+                group = min(self.grad_accum_steps, per_epoch - run.batch)
+                for i in range(group):
+                    self._run_batch(next(batches), sync=i == group - 1, weight=1 / group)
+                self._optimizer_step()
+                run.batch += group
+                self._in_memory.keep(self)
+            redo_boundary = False
             if run.batch == per_epoch:
                 break  # the epoch's end agrees, evaluates, logs and saves on its own
             agreed = self._step_boundary(plan)
@@ -448,10 +502,12 @@ class Trainer:
 
     def _optimizer_step(self) -> None:
         self._lr = lr_of(self.optimizer)  # the rate this step takes, before a scheduler moves it
+        self._in_memory.commit(self, self.state.step + 1)  # on every rank or none
         self._update.step()
         if self.scheduler is not None and self.scheduler_interval == "step":
             self.scheduler.step()
         self.state.step += 1
+        self._in_memory.committed()
         self._steps.tick()
 
     # -- what a script reads from a Trainer, and asks of it ----------------------------------------

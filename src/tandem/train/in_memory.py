@@ -1,0 +1,184 @@
+"""The Trainer's part of recovery in memory (``tandem run --recover in-memory``).
+
+A Trainer needs no change to its script to survive a lost rank: under the launcher's
+``--recover in-memory`` it commits every optimizer step through :class:`tandem.recovery.Recoverer`
+and, when a member is lost, goes on among the survivors as if it had resumed, at the smaller
+world size, from a checkpoint written at the last committed step. Nothing is read from disk:
+
+- **What a survivor keeps**: right after each optimizer step, the run's shared state (the
+  checkpoint's ``"trainer"`` entry: epoch, step, the sampler's place, history; the scheduler's
+  and the grad scaler's state), the same on every rank, kept in memory
+  (:meth:`InMemory.keep`). The model and the optimizer need no copy: the commit comes before
+  the optimizer steps, so a step that does not commit leaves them as they were.
+- **What a lost rank leaves behind**: its own part of the run (its generators, its loss sums),
+  set in the store as the value of its commit key (:meth:`InMemory.commit`); every member's is
+  there for the last committed step, so the survivors read the lost ranks' from the store.
+- **The recovery** (:meth:`InMemory.recover`): the survivors re-form the group, the Trainer
+  builds what depends on the world anew (tandem.DDP over the new group, the loaders and the
+  sampler, the run state), loads the kept shared state and every old member's own part with
+  the same code a resume from a checkpoint at another world size runs
+  (:class:`tandem.train.step_log.SavedRun`: the rest of the epoch dealt to the survivors, the
+  loss sums added up on rank 0, new rank r taking old rank r's generators), and the loop goes
+  on from that step's boundary: its log record, evaluation and checkpoint (where the plan
+  has them) are done again at the new size, since the failure may have cut them short.
+
+So a run that loses a rank at step k ends bitwise where "train to step k, save, resume at the
+new size" ends.
+
+A set-up whose state is sharded across ranks (tandem.FullyShardedDataParallel, a
+ShardedOptimizer) or that the Trainer did not wrap itself is not recovered in memory: the
+Trainer says so at its start, and a lost rank then ends the job as under ``--recover restart``.
+
+Example::
+
+    recovery = InMemory(trainer)          # inactive outside --recover in-memory
+    recovery.keep(trainer)                # after every optimizer step
+    recovery.commit(trainer, step)        # before it
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Protocol
+
+import torch
+
+from tandem.parallel.adapters import model_state, optimizer_state
+from tandem.parallel.engine import Engine
+from tandem.recovery import Recoverer, declare_unable, decode, enabled, encode
+from tandem.train.precision import ScalerState
+from tandem.train.run_state import RunState
+from tandem.train.step_log import RunLog, SavedRun
+from tandem.world import World
+
+log = logging.getLogger(__name__)
+
+
+class Trainer(Protocol):
+    """What of a :class:`tandem.Trainer` its recovery reads and rebuilds."""
+
+    engine: Engine
+    world: World
+    state: RunState
+    log: RunLog
+    scheduler: Any
+    _scaler_state: ScalerState | None
+    _wraps_itself: bool
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer: ...
+
+    def _release_world(self) -> None: ...
+
+    def _build_world(self) -> None: ...
+
+
+def why_not(trainer: Trainer) -> str | None:
+    """Why this Trainer's set-up cannot be recovered in memory, or None if it can."""
+    engine = trainer.engine
+    if engine.has_shards or model_state(engine.model).sharded:
+        return "the model is sharded across ranks (FullyShardedDataParallel)"
+    if optimizer_state(engine.optimizer).sharded:
+        return (
+            f"the optimizer's state is sharded across ranks ({type(engine.optimizer).__name__}): "
+            "a lost rank takes its shard along"
+        )
+    if not trainer._wraps_itself:
+        return "the model came wrapped (pass the plain module: the Trainer wraps it anew)"
+    return None
+
+
+class InMemory:
+    """One rank's recovery in memory for a Trainer (see the module doc).
+
+    Args:
+        trainer: the Trainer, built (engine, loaders, run state).
+    """
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.recoverer: Recoverer | None = None
+        self.kept: dict[str, Any] | None = None
+        self.after_step = False  # the state kept is a step's (not train()'s start)
+        self.refused: str | None = None
+        if not enabled() or trainer.world.world_size == 1:
+            return
+        self.refused = why_not(trainer)
+        if self.refused is not None:
+            declare_unable(self.refused)
+            if trainer.world.is_main:
+                log.warning(
+                    "--recover in-memory: this Trainer is not recovered in memory (%s); a "
+                    "lost rank makes tandem run restart every worker (--max-restarts), which "
+                    "resume from the last checkpoint",
+                    self.refused,
+                )
+            return
+        self.recoverer = Recoverer()
+
+    @property
+    def active(self) -> bool:
+        return self.recoverer is not None
+
+    def start(self, trainer: Trainer) -> None:
+        """``train()`` starts: the state it starts from is the first one kept and committed
+        (a member lost in the first step goes back to it)."""
+        if self.recoverer is None:
+            return
+        self.keep(trainer)
+        self.after_step = False
+        self.commit(trainer, trainer.state.step)
+
+    def commit(self, trainer: Trainer, step: int) -> None:
+        """Commit optimizer step ``step`` (its number once taken) on every member or none,
+        leaving this rank's own part of the run in the store."""
+        if self.recoverer is None:
+            return
+        saved = SavedRun(trainer.state, trainer.log.window, world_size=trainer.world.world_size)
+        self.recoverer.commit(step, encode(saved.rank_state_dict()))
+
+    def keep(self, trainer: Trainer) -> None:
+        """The shared state right after an optimizer step, the point a recovery goes back to."""
+        if self.recoverer is None:
+            return
+        saved = SavedRun(trainer.state, trainer.log.window, world_size=trainer.world.world_size)
+        scheduler, scaler = trainer.scheduler, trainer._scaler_state
+        self.kept = {
+            "trainer": saved.state_dict(),
+            "scheduler": None if scheduler is None else scheduler.state_dict(),
+            "scaler": None if scaler is None else scaler.state_dict(),
+        }
+        self.after_step = True
+
+    def lost(self, error: BaseException) -> bool:
+        return self.recoverer is not None and self.recoverer.lost(error)
+
+    def recover(self, trainer: Trainer) -> bool:
+        """Go on among the survivors from the last committed step (see the module doc);
+        whether that step's boundary is to be done (again): False at ``train()``'s start.
+
+        Raises:
+            MembershipError: this rank cannot go on (:mod:`tandem.recovery`).
+        """
+        assert self.recoverer is not None and self.recoverer.members is not None
+        assert self.kept is not None
+        self.recoverer.reform(trainer.state.step, trainer._release_world)
+        states = [decode(value) for value in self.recoverer.committed_states()]
+        trainer._build_world()
+        saved = SavedRun(trainer.state, trainer.log.window, world_size=trainer.world.world_size)
+        saved.load_state_dict(self.kept["trainer"])
+        saved.load_rank_state_dicts(states, trainer.world.rank)
+        if trainer.scheduler is not None:
+            trainer.scheduler.load_state_dict(self.kept["scheduler"])
+        if trainer._scaler_state is not None:
+            trainer._scaler_state.load_state_dict(self.kept["scaler"])
+        trainer.optimizer.zero_grad()  # what the failed step's backward left
+        trainer.state.restore_rng()
+        return self.after_step
+
+    def committed(self) -> None:
+        if self.recoverer is not None:
+            self.recoverer.committed()
+
+    def close(self) -> None:
+        if self.recoverer is not None:
+            self.recoverer.close()

@@ -1,0 +1,113 @@
+"""A Trainer script, unchanged, under ``tandem run --recover in-memory``: a lost rank costs the
+step in flight, and the run ends bitwise where "train to that step, save, resume at the new
+size" ends.
+
+Proves (real processes over Gloo, the script in ``trainer_worker.py`` knows nothing of
+recovery; 3 ranks, one lost, 2 go on):
+
+- a rank SIGKILLed in its training step (before the backward: the others wait in the
+  all-reduce), one SIGKILLed inside the optimizer step (after the step committed: the others
+  meet the loss in the step's boundary, at the checkpoint), rank 0 SIGKILLed while it writes a
+  checkpoint (the others wait for its verdict; the new rank 0 writes it), and a rank hung
+  (SIGSTOP) in its training step (left out after the heartbeat timeout): each run's
+  final checkpoint equals the oracle's (3 ranks to step 6, saved; 2 ranks resumed from it):
+  parameters, momentum buffers, epoch, step, the sampler's place, every rank's generators and
+  loss sums, and the per-epoch train and test losses of the history;
+- the uninterrupted 3-rank run ends elsewhere (the equality above is not trivially true);
+- the exit summary names the recovery, and the job exits 0 with no worker left behind.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tandem.checkpoint.run_dir import latest_checkpoint, load_checkpoint
+from tests.launching import clean_env
+
+pytestmark = [pytest.mark.launch, pytest.mark.xdist_group("recovery")]
+
+WORKER = "tests.recovery.trainer_worker"
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def launch(nproc: int, run_dir: Path, *args: str, recover: bool = False):
+    flags = ["--recover", "in-memory", "--heartbeat-timeout", "2"] if recover else []
+    result = subprocess.run(
+        [sys.executable, "-m", "tandem.cli", "run", "--nproc-per-node", str(nproc), *flags,
+         "-m", WORKER, str(run_dir), *args],
+        env={**clean_env(), "PYTHONPATH": str(ROOT)},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-4000:]
+    return result
+
+
+def final(run_dir: Path) -> dict:
+    path = latest_checkpoint(run_dir)
+    assert path is not None, f"no checkpoint in {run_dir}"
+    return load_checkpoint(path)["state"]
+
+
+@pytest.fixture(scope="module")
+def oracle(tmp_path_factory) -> dict:
+    """3 ranks train to step 6 and save; 2 ranks resume from it to the end."""
+    run_dir = tmp_path_factory.mktemp("oracle")
+    launch(3, run_dir, "--max-steps", "6")
+    launch(2, run_dir, "--resume")
+    return final(run_dir)
+
+
+def assert_same_run(got: dict, expected: dict) -> None:
+    for key, value in expected["model"].items():
+        assert torch.equal(got["model"][key], value), key
+    for k, state in expected["optimizer"]["state"].items():
+        assert torch.equal(
+            got["optimizer"]["state"][k]["momentum_buffer"], state["momentum_buffer"]
+        ), k
+    mine, theirs = got["trainer"], expected["trainer"]
+    for key in ("world_size", "epoch", "step", "batch", "sampler"):
+        assert mine[key] == theirs[key], key
+    assert len(mine["ranks"]) == len(theirs["ranks"]) == 2
+    for rank, (a, b) in enumerate(zip(mine["ranks"], theirs["ranks"], strict=True)):
+        assert torch.equal(a["rng"]["torch"], b["rng"]["torch"]), f"rank {rank}'s generator"
+        assert a["epoch_loss"] == b["epoch_loss"], f"rank {rank}'s loss sums"
+    losses = [(h["train_loss"], h["eval_loss"]) for h in theirs["history"]]
+    assert [(h["train_loss"], h["eval_loss"]) for h in mine["history"]] == losses
+
+
+CASES = [
+    pytest.param("1:6:forward", 1, id="forward"),
+    pytest.param("2:5:step", 2, id="optimizer-step"),
+    pytest.param("0:6:save", 0, id="rank-0-writing-a-checkpoint"),
+    # Hung (SIGSTOP) in its training step: the others count it lost after the 2 s heartbeat
+    # timeout, and the launcher kills it.
+    pytest.param("1:6:hang", 1, id="hung"),
+]
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize(("kill", "victim"), CASES)
+def test_a_trainer_survives_a_lost_rank_and_equals_a_resume(tmp_path, oracle, kill, victim):
+    result = launch(3, tmp_path, "--kill", kill, recover=True)
+    lost = re.findall(r"^tandem run: rank (\d+) \(.*\) was lost", result.stderr, re.M)
+    assert lost == [str(victim)], result.stderr[-3000:]
+    summary = [line for line in result.stderr.splitlines() if "tandem run: recovery 1:" in line]
+    assert len(summary) == 1 and "step 6 redone" in summary[0], result.stderr[-3000:]
+    assert_same_run(final(tmp_path), oracle)
+
+
+@pytest.mark.timeout(200)
+def test_without_a_failure_the_trainer_run_differs_from_the_resumed_one(tmp_path, oracle):
+    launch(3, tmp_path, recover=True)
+    got = final(tmp_path)
+    assert got["trainer"]["world_size"] == 3
+    assert any(not torch.equal(got["model"][k], v) for k, v in oracle["model"].items())

@@ -1,0 +1,104 @@
+"""A worker of the Trainer's recovery tests: an unchanged Trainer script, with a fault injected.
+
+    python -m tests.recovery.trainer_worker RUN_DIR [--kill RANK:STEP:WHERE] [--max-steps K]
+                                                    [--resume]
+
+The script is what a user writes (a Trainer over an MLP with dropout, SGD with momentum, an
+evaluation set, a step log, checkpoints every 3 steps and at the end); nothing in it knows of
+recovery. ``--kill`` makes launch rank RANK die at optimizer step STEP (while ``trainer.step ==
+STEP``), WHERE = ``forward`` (SIGKILL in its training step, before the backward), ``step``
+(SIGKILL inside the optimizer step: after the step committed), ``save`` (SIGKILL while rank 0
+writes the checkpoint of step STEP) or ``hang`` (SIGSTOP before the backward). ``--max-steps K``
+trains K steps and stops (the oracle's first half: it saves at the end); ``--resume`` continues
+from the latest checkpoint (the second half, at another world size).
+"""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import os
+import signal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import tandem
+from tandem.checkpoint import checkpointer
+
+
+def data(n: int, seed: int) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 6, generator=g)
+    y = (x.sum(1) > 0).long()
+    return TensorDataset(x, y)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("run_dir")
+    parser.add_argument("--kill", default=None)
+    parser.add_argument("--max-steps", type=int, default=None)
+    parser.add_argument("--resume", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    tandem.init()
+    me = int(os.environ["RANK"])
+    victim, at, where = args.kill.split(":") if args.kill else ("-1", "-1", "")
+    dies = me == int(victim)
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Dropout(0.25), nn.Linear(16, 2))
+    torch.manual_seed(100 + me)  # every rank draws its own dropout masks
+
+    def training_step(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, y = batch
+        loss = F.cross_entropy(model(x), y)
+        if dies and trainer.step == int(at) and where == "forward":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if dies and trainer.step == int(at) and where == "hang":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        return loss
+
+    trainer = tandem.Trainer(
+        net,
+        lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
+        data(96, 7),
+        eval_data=data(20, 8),
+        batch_size=4,
+        max_epochs=2,
+        max_steps=args.max_steps,
+        eval_every=4,
+        log_every=2,
+        save_every_steps=3,
+        loggers=["jsonl"],
+        run_dir=args.run_dir,
+        seed=3,
+        training_step=training_step,
+        resume="latest" if args.resume else None,
+        progress=False,
+    )
+    if dies and where == "step":
+
+        def die(optimizer: torch.optim.Optimizer, *_: object) -> None:
+            if trainer.step == int(at):
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        trainer.optimizer.register_step_pre_hook(die)
+    if dies and where == "save":
+        write = checkpointer.save_checkpoint
+
+        def dying_write(state, run_dir, *, epoch, step, keep):  # type: ignore[no-untyped-def]
+            if step == int(at):
+                os.kill(os.getpid(), signal.SIGKILL)
+            return write(state, run_dir, epoch=epoch, step=step, keep=keep)
+
+        checkpointer.save_checkpoint = dying_write  # type: ignore[assignment]
+    trainer.train()
+
+
+if __name__ == "__main__":
+    main()
