@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # The variables torchrun gives a worker (the harness sets them too).
 TORCHRUN_VARIABLES = (
@@ -46,3 +51,30 @@ def tandem_run_module(module: str, *args: str, nproc: int = 2) -> list[str]:
         module,
         *args,
     ]
+
+
+def run_job(
+    nproc: int, flags: list[str], module: str, *args: str, timeout: float = 240
+) -> subprocess.CompletedProcess[str]:
+    """`tandem run --nproc-per-node N FLAGS -m MODULE ARGS` from the repository's root, which
+    must exit 0 (else its stderr's end fails the test)."""
+    result = subprocess.run(
+        [sys.executable, "-m", "tandem.cli", "run", "--nproc-per-node", str(nproc), *flags,
+         "-m", module, *args],
+        env={**clean_env(), "PYTHONPATH": str(ROOT)},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-4000:]
+    return result
+
+
+def final_checkpoint(run_dir: Path) -> dict[str, Any]:
+    """The state of the newest checkpoint in ``run_dir`` (the dict under ``"state"``)."""
+    from tandem.checkpoint.run_dir import latest_checkpoint, load_checkpoint
+
+    path = latest_checkpoint(run_dir)
+    assert path is not None, f"no checkpoint in {run_dir}"
+    return load_checkpoint(path)["state"]

@@ -1,23 +1,35 @@
 """The exit summary of `--recover in-memory`, in this process: the launcher's record of each lost
 rank joined with the survivors' `tandem-recovery-*.json` (one line per recovery, in order; a
 loss no survivor reported says so), the store key and the record the launcher writes, and the
-refusal of more than one node."""
+refusal of more than one node. The fall-back to `restart`: the `able` keys (the worker side's
+own), why a worker cannot go on, the line said at once and the summary's line, numbered across
+attempts; the coordinator's fresh store per attempt on the same fixed port."""
 
 from __future__ import annotations
 
 import json
 import os
+import socket
 import time
+from datetime import timedelta
 
 import pytest
 
 from tandem.launch.failures import Failure
 from tandem.launch.in_memory import (
+    NOT_STARTED,
+    Fallback,
+    InMemoryCoordinator,
+    able_key,
     check_one_node,
     dead_key,
     death_record,
+    fallback_line,
+    fallback_summary,
     recovery_lines,
     recovery_reports,
+    unable,
+    why_unable,
 )
 from tandem.launch.rendezvous import LaunchError
 
@@ -103,3 +115,132 @@ def test_more_than_one_node_is_refused():
     check_one_node("--nnodes 1", True)
     with pytest.raises(LaunchError, match="--nnodes 2: only one node is supported"):
         check_one_node("--nnodes 2", False)
+
+
+SHARDED = "the model is sharded across ranks (FullyShardedDataParallel)"
+
+
+def test_the_able_key_is_the_worker_sides():
+    from tandem import recovery
+
+    assert able_key(3, {}) == "tandem/recover/able/3"
+    assert (
+        able_key(3, {"TANDEM_JOB_SECRET": "x"})
+        == dead_key(3, {"TANDEM_JOB_SECRET": "x"})[: -len("dead/3")] + "able/3"
+    )
+    # What tandem.recovery writes (Recoverer, declare_unable), in this process's scope.
+    assert able_key(3) == f"{recovery.PREFIX}able/3"
+    assert dead_key(3) == f"{recovery.PREFIX}dead/3"
+    assert recovery.ABLE == "1"
+
+
+def test_who_cannot_go_on_in_memory_and_why():
+    said = {0: "1", 1: f"no: {SHARDED}", 2: None, 3: "no:", 4: "maybe"}
+    assert unable(said) == {
+        1: SHARDED,
+        2: NOT_STARTED,
+        3: "it said 'no:'",
+        4: "it said 'maybe'",
+    }
+    assert unable({0: "1", 2: "1"}) == {}
+    assert why_unable({0: SHARDED, 2: SHARDED}) == SHARDED
+    assert why_unable({2: SHARDED}, ranks=True) == f"rank 2: {SHARDED}"
+    assert why_unable({2: SHARDED, 0: "x", 1: SHARDED}) == f"rank 0: x; ranks 1, 2: {SHARDED}"
+
+
+def test_the_fallback_line_said_at_once():
+    lost = (Failure(1, 1, "vm", -9, ("Traceback", "boom"), at=7.0),)
+    restarting = Fallback(lost, {0: SHARDED, 2: NOT_STARTED}, restart=2, max_restarts=3)
+    assert fallback_summary(restarting) == (
+        "tandem run: rank 1 (killed by SIGKILL) was lost and ranks 0, 2 cannot be recovered in "
+        f"memory (rank 0: {SHARDED}; rank 2: {NOT_STARTED}): restarting every worker from the "
+        "last checkpoint (restart 2 of 3; --recover in-memory falls back to restart)"
+    )
+    two = (Failure(1, 1, "vm", -9, (), at=7.0), Failure(3, 3, "vm", 1, (), at=7.01))
+    ending = Fallback(two, {}, restart=0, max_restarts=0)
+    assert fallback_summary(ending) == (
+        "tandem run: ranks 1 (killed by SIGKILL), 3 (exit code 1) were lost and no worker is "
+        "left to go on in memory: stopping every worker; no restart is left to resume them from "
+        "the last checkpoint (--max-restarts 0; --recover in-memory falls back to restart)"
+    )
+    assert ending.at == 7.0
+    assert "\n" not in fallback_summary(restarting)  # one line; the tail is the failure report's
+
+
+def test_the_fallback_in_the_summary():
+    lost = (Failure(1, 1, "vm", -9, (), at=107.2),)
+    assert fallback_line(Fallback(lost, {0: SHARDED, 2: SHARDED}, 1, 1), started=100.0) == (
+        "rank 1 (killed by SIGKILL) lost 7.2 s into the run; not recoverable in memory (ranks "
+        f"0, 2: {SHARDED}): every worker restarted (restart 1 of 1) from the last checkpoint"
+    )
+    assert fallback_line(Fallback(lost, {0: SHARDED}, 0, 0), started=100.0) == (
+        "rank 1 (killed by SIGKILL) lost 7.2 s into the run; not recoverable in memory (rank 0: "
+        f"{SHARDED}): every worker stopped, no restart left (--max-restarts 0)"
+    )
+    nobody = Fallback((Failure(0, 0, "vm", 3, (), at=0.0),), {}, 1, 2)
+    assert fallback_line(nobody, started=100.0) == (
+        "rank 0 (exit code 3) lost at its end; no worker left to go on in memory: every worker "
+        "restarted (restart 1 of 2) from the last checkpoint"
+    )
+
+
+def test_a_fallback_ends_its_attempt_and_the_next_attempt_counts_on(tmp_path):
+    """Attempt 0: rank 2 lost and recovered in memory, then rank 1 lost with rank 0 unable (a
+    fall-back, last whatever the times). Attempt 1 (its ranks anew): rank 1 lost, recovered."""
+    _write(tmp_path, "a", generation=1, lost=[2], members=[0, 1], detected_s=0.2, step=4,
+           recovered_s=0.5)  # fmt: skip
+    first = recovery_lines(
+        [Failure(2, 2, "vm", -9, (), at=103.0)],
+        recovery_reports(tmp_path),
+        started=100.0,
+        fallback=Fallback((Failure(1, 1, "vm", 1, (), at=105.0),), {0: SHARDED}, 1, 1),
+    )
+    assert first == [
+        "recovery 1: rank 2 (killed by SIGKILL) lost at step 4; detected in 0.2 s; step 4 "
+        "redone by ranks 0,1 in 0.5 s",
+        "recovery 2: rank 1 (exit code 1) lost 5.0 s into the run; not recoverable in memory "
+        f"(rank 0: {SHARDED}): every worker restarted (restart 1 of 1) from the last checkpoint",
+    ]
+    second = recovery_lines(
+        [Failure(1, 1, "vm", -9, (), at=109.0)], [], started=100.0, first=len(first) + 1
+    )
+    assert second == [
+        "recovery 3: rank 1 (killed by SIGKILL) lost 9.0 s into the run; the survivors did not "
+        "report a recovery"
+    ]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_each_attempt_gets_a_fresh_store_on_the_same_port():
+    from torch.distributed import TCPStore
+
+    def client(port: int) -> TCPStore:
+        return TCPStore("127.0.0.1", port, None, False, timedelta(seconds=10))
+
+    port = _free_port()
+    coordinator = InMemoryCoordinator("127.0.0.1", port)
+    try:
+        first = coordinator.begin(0)
+        assert (first.port, first.round) == (port, 0)
+        worker = client(port)
+        worker.set(able_key(0), "1")
+        worker.set(able_key(1), f"no: {SHARDED}")
+        assert coordinator.able([0, 1, 2]) == {0: "1", 1: f"no: {SHARDED}", 2: None}
+        coordinator.report_failure(0, Failure(2, 2, "vm", -9, (), at=1.0))
+        assert worker.check([dead_key(2)])
+        del worker
+        second = coordinator.begin(1)  # the restart: the old store closed, the port bound anew
+        assert (second.port, second.round) == (port, 1)
+        assert second.env["TORCHELASTIC_USE_AGENT_STORE"] == "True"
+        assert second.env["TANDEM_RECOVER"] == "in-memory"
+        again = client(port)
+        assert not again.check([able_key(0)]) and not again.check([dead_key(2)])
+        assert coordinator.able([0, 1]) == {0: None, 1: None}
+    finally:
+        coordinator.close()
+    assert coordinator.able([0]) == {0: None}

@@ -11,6 +11,13 @@
 - A survivor's `tandem-recovery-*.json` is joined with the launcher's record in the summary.
 - Many nodes, an elastic MIN:MAX, a host file of several hosts: refused, naming one node.
 - The default `restart` is unchanged (`test_run.py`: the first failure stops the others).
+- A loss with a worker still running that did not say `able` "1" (a sharded Trainer's "no:
+  ...", or nothing: a plain script) falls back to `restart`: one line at once, every worker
+  stopped; with `--max-restarts 1` all restarted (TORCHELASTIC_RESTART_COUNT 1, the user's
+  port, a fresh store: no key of the attempt before) and the job ends 0; with none left the
+  failure report and status. The restarted workers recover in memory again; the last survivors
+  failing restarts too while a restart is left; the summary numbers every recovery and
+  fall-back across attempts. `--max-restarts` replaces no worker the others go on without.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -194,18 +202,153 @@ def test_help_says_what_in_memory_does_not_do_yet():
     )
     text = " ".join(out.stdout.split())
     assert "--recover {restart,in-memory}" in text
-    assert "--max-restarts replaces no lost worker in this mode yet" in text
+    assert "A lost worker is not replaced" in text
+    assert "falls back to restart, up to --max-restarts" in text
     assert "(default: restart" in text
 
 
-def test_max_restarts_is_said_to_restart_nothing():
+@pytest.mark.timeout(120)
+def test_max_restarts_replaces_no_worker_the_others_go_on_without():
     result = tandem_run(
         "--recover", "in-memory", "--max-restarts", "2", "--nproc-per-node", "2", WORKER,
         "kill", "1",
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "--max-restarts 2 with --recover in-memory: a lost worker is not replaced" in (
-        result.stderr
-    )
-    assert "restarting" not in result.stderr
+    assert "the other 1 worker go on without it" in result.stderr
+    assert "warning" not in result.stderr
+    assert "restart" not in result.stderr.replace("--recover", "")
+    assert "FRESH" not in result.stdout  # nothing was started again
     assert os.environ.get("TANDEM_RECOVER") is None  # the test's own environment untouched
+
+
+SHARDED = "the model is sharded across ranks (FullyShardedDataParallel)"
+# Rank 0 says it cannot (a sharded Trainer), rank 1 can, rank 2 says nothing (a plain script).
+MIXED = json.dumps([f"no: {SHARDED}", "1", None])
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.timeout(120)
+def test_a_loss_the_others_cannot_recover_from_restarts_every_worker():
+    """Rank 2 is lost while rank 0 (sharded) and rank 1 (no key: a plain script) run on: the
+    launcher says so at once, stops every worker and starts them all again (a restart, counted
+    as under `restart`) in a fresh store on the user's fixed port; the job then ends 0."""
+    port = _free_port()
+    result = tandem_run(
+        "--recover", "in-memory", "--max-restarts", "1", "--master-port", str(port),
+        "--nproc-per-node", "3", WORKER, "kill", "2",
+        env={"TEST_ABLE": json.dumps([f"no: {SHARDED}", None, "1"])},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    line = (
+        "tandem run: rank 2 (killed by SIGKILL) was lost and ranks 0, 1 cannot be recovered in "
+        f"memory (rank 0: {SHARDED}; rank 1: recovery in memory never started: a script that "
+        "uses neither tandem.Trainer nor tandem.recovery.Run, or a loss during start-up): "
+        "restarting every worker from the last checkpoint (restart 1 of 1; --recover "
+        "in-memory falls back to restart)"
+    )
+    assert line in result.stderr.splitlines(), result.stderr
+    assert "rank 2 (local rank 2 on" in result.stderr  # the usual failure report
+    assert "failed first: killed by SIGKILL" in result.stderr
+    assert "go on without it" not in result.stderr  # nobody went on in memory
+    assert "SAW" not in result.stdout  # the launcher marked no rank dead
+    # The restarted workers: counted as a restart, on the same port, in a fresh store.
+    envs = {r: json.loads(text) for r, text in _lines(result.stdout, "ENV").items()}
+    assert sorted(envs) == [0, 1, 2]
+    for env in envs.values():
+        assert env["TORCHELASTIC_RESTART_COUNT"] == "1"
+        assert env["MASTER_PORT"] == str(port)
+        assert env["TANDEM_RECOVER"] == "in-memory"
+    assert _lines(result.stdout, "FRESH") == {0: "", 1: "", 2: ""}
+    assert "STALE" not in result.stdout
+    assert sorted(_lines(result.stdout, "DONE")) == [0, 1, 2]
+    assert re.search(
+        r"tandem run: recovery 1: rank 2 \(killed by SIGKILL\) lost [\d.]+ s into the run; not "
+        rf"recoverable in memory \(rank 0: {re.escape(SHARDED)}; rank 1: recovery in memory "
+        r"never started: .*\): every worker restarted \(restart 1 of 1\) from the last "
+        r"checkpoint$",
+        result.stderr,
+        re.M,
+    ), result.stderr
+    assert "recovery 2" not in result.stderr
+
+
+@pytest.mark.timeout(120)
+def test_a_fallback_without_restarts_left_is_a_failure():
+    result = tandem_run(
+        "--recover", "in-memory", "--nproc-per-node", "3", WORKER, "kill", "1",
+        env={"TEST_ABLE": json.dumps([f"no: {SHARDED}", "1", f"no: {SHARDED}"])},
+    )  # fmt: skip
+    assert result.returncode == 128 + 9, result.stdout + result.stderr
+    line = (
+        f"tandem run: rank 1 (killed by SIGKILL) was lost and ranks 0, 2 cannot be recovered in "
+        f"memory ({SHARDED}): stopping every worker; no restart is left to resume them from the "
+        "last checkpoint (--max-restarts 0; --recover in-memory falls back to restart)"
+    )
+    assert line in result.stderr.splitlines(), result.stderr
+    assert "rank 1 (local rank 1 on" in result.stderr
+    assert "failed first: killed by SIGKILL" in result.stderr
+    assert re.search(
+        r"^tandem run: recovery 1: rank 1 \(killed by SIGKILL\) lost [\d.]+ s into the run; not "
+        rf"recoverable in memory \(ranks 0, 2: {re.escape(SHARDED)}\): every worker stopped, no "
+        r"restart left \(--max-restarts 0\)$",
+        result.stderr,
+        re.M,
+    ), result.stderr
+    assert "FRESH" not in result.stdout and "DONE" not in result.stdout  # no second attempt
+    assert "every worker failed" not in result.stderr
+
+
+@pytest.mark.timeout(120)
+def test_the_restarted_workers_recover_in_memory_again():
+    """After the fall-back, the restarted workers all say they recover in memory: the next
+    loss is recovered in memory, and the summary numbers both in order."""
+    result = tandem_run(
+        "--recover", "in-memory", "--max-restarts", "1", "--nproc-per-node", "3", WORKER,
+        "kill", "1",
+        env={"TEST_ABLE": MIXED, "TEST_KILL_AGAIN": "1"},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "restarting every worker from the last checkpoint (restart 1 of 1;" in result.stderr
+    assert "rank 1 (local rank 1 on" in result.stderr
+    assert "the other 2 workers go on without it" in result.stderr
+    assert _lines(result.stdout, "FRESH") == {0: "", 1: "", 2: ""}
+    assert sorted(_lines(result.stdout, "SAW")) == [0, 2]  # the second loss, in memory
+    assert sorted(_lines(result.stdout, "DONE")) == [0, 2]
+    summary = [line for line in result.stderr.splitlines() if "tandem run: recovery " in line]
+    assert len(summary) == 2, result.stderr
+    assert summary[0].startswith("tandem run: recovery 1: rank 1 (killed by SIGKILL) lost ")
+    assert "every worker restarted (restart 1 of 1) from the last checkpoint" in summary[0]
+    assert summary[1].startswith("tandem run: recovery 2: rank 1 (killed by SIGKILL) lost ")
+    assert summary[1].endswith("the survivors did not report a recovery")
+
+
+@pytest.mark.timeout(120)
+def test_every_worker_failing_restarts_while_restarts_are_left():
+    """The last worker lost leaves none to go on in memory: with a restart left every worker
+    restarts, as under `restart`; the second attempt failing too ends the job as before."""
+    result = tandem_run(
+        "--recover", "in-memory", "--max-restarts", "1", "--nproc-per-node", "2", WORKER,
+        "fail_all",
+    )  # fmt: skip
+    assert result.returncode == 3, result.stdout + result.stderr
+    assert re.search(
+        r"^tandem run: ranks? .*(were|was) lost and no worker is left to go on in memory: "
+        r"restarting every worker from the last checkpoint \(restart 1 of 1; ",
+        result.stderr,
+        re.M,
+    ), result.stderr
+    assert result.stdout.count("READY") == 4  # two attempts
+    assert "every worker failed (2 of 2)" in result.stderr  # the second
+    summary = [line for line in result.stderr.splitlines() if "tandem run: recovery " in line]
+    assert len(summary) == 4, result.stderr
+    assert summary[1].startswith("tandem run: recovery 2: rank 1 (exit code 3) lost ")
+    assert summary[1].endswith(
+        "no worker left to go on in memory: every worker restarted (restart 1 of 1) from the "
+        "last checkpoint"
+    )
+    assert summary[3].startswith("tandem run: recovery 4: rank 1 (exit code 3) lost ")

@@ -20,41 +20,24 @@ recovery; 3 ranks, one lost, 2 go on):
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tandem.checkpoint.run_dir import latest_checkpoint, load_checkpoint
-from tests.launching import clean_env
+from tests.launching import final_checkpoint, run_job
 
 pytestmark = [pytest.mark.launch, pytest.mark.xdist_group("recovery")]
 
 WORKER = "tests.recovery.trainer_worker"
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def launch(nproc: int, run_dir: Path, *args: str, recover: bool = False):
     flags = ["--recover", "in-memory", "--heartbeat-timeout", "2"] if recover else []
-    result = subprocess.run(
-        [sys.executable, "-m", "tandem.cli", "run", "--nproc-per-node", str(nproc), *flags,
-         "-m", WORKER, str(run_dir), *args],
-        env={**clean_env(), "PYTHONPATH": str(ROOT)},
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-4000:]
-    return result
+    return run_job(nproc, flags, WORKER, str(run_dir), *args)
 
 
-def final(run_dir: Path) -> dict:
-    path = latest_checkpoint(run_dir)
-    assert path is not None, f"no checkpoint in {run_dir}"
-    return load_checkpoint(path)["state"]
+final = final_checkpoint
 
 
 @pytest.fixture(scope="module")

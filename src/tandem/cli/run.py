@@ -122,8 +122,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "one node only (--nnodes 1); the launcher hosts the job's store, announces the lost "
         "rank there and the others go on without it (a script using tandem's in-memory "
         "recovery re-forms and redoes the step); the job succeeds if one worker runs to "
-        "completion. --max-restarts replaces no lost worker in this mode yet (default: "
-        "restart; see docs/guides/launching.md)",
+        "completion. A lost worker is not replaced; a loss the others cannot go on from in "
+        "memory (a sharded Trainer, a script without tandem's recovery) falls back to restart, "
+        "up to --max-restarts (default: restart; see docs/guides/recovery.md)",
     )
     flag(
         own,
@@ -314,11 +315,6 @@ def build_spec(args: argparse.Namespace) -> tuple[LaunchSpec, Meeting]:
         check_one_node(f"--nnodes {args.nnodes or nnodes}", one_node)
         if not args.heartbeat_timeout > 0:
             raise LaunchError(f"--heartbeat-timeout {args.heartbeat_timeout:g} must be > 0")
-        if args.max_restarts > 0:
-            _say(
-                f"warning: --max-restarts {args.max_restarts} with --recover in-memory: a lost "
-                "worker is not replaced yet (the others go on without it), nothing is restarted"
-            )
     if args.max_restarts < 0:
         raise LaunchError(f"--max-restarts {args.max_restarts} must be >= 0")
     if args.numa_binding:

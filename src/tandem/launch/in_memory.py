@@ -12,12 +12,28 @@ supervisor records it (rank, how it ended, when) and the coordinator writes the 
 ``TANDEM_JOB_SECRET`` is set) as JSON ``{"rank", "how", "at", ...}``, which the survivors poll;
 they re-form among themselves and redo the step (the worker side, :mod:`tandem.recovery`). The
 job ends when every worker has exited: status 0 if at least one ran to completion (every
-other exit being a loss the survivors went on without), else the usual failure report.
-``--max-restarts`` restarts nothing in this mode yet: a lost rank is not replaced.
+other exit being a loss the survivors went on without), else the usual failure report. A
+rank lost while the others go on is not replaced.
+
+Only workers that said so are left to go on: each worker that recovers in memory sets
+:func:`able_key` (``tandem/recover/able/<global rank>``) to ``"1"`` at its start
+(``tandem.recovery.Recoverer``); a Trainer whose set-up cannot (a model or optimizer state
+sharded across ranks: FullyShardedDataParallel, ShardedOptimizer) sets ``"no: <reason>"``;
+a script that uses neither ``tandem.Trainer`` nor ``tandem.recovery.Run`` sets nothing. When a
+worker is lost and one still running has not said ``"1"`` (:func:`unable`; a loss during
+start-up, before every worker got that far, counts too), the launcher **falls back to
+``restart``**: it says so in one line (:func:`fallback_summary`), stops every worker (SIGTERM,
+then SIGKILL after ``--grace-period``) and, while ``--max-restarts`` allows, starts them all
+again (``TORCHELASTIC_RESTART_COUNT`` counts it, as under ``restart``) to resume from the last
+checkpoint; else the job ends with the usual failure report. So does a loss that leaves no
+worker running while restarts remain. Each restart gets a fresh store
+(:meth:`InMemoryCoordinator.begin`: the old one is closed, the new one listens on the same
+``--master-port`` if one was given), so the restarted workers see no key of the attempt
+before (dead marks, ``able``, generations) and recover in memory again from the start.
 
 The survivors note each recovery in the report directory (``TANDEM_REPORT_DIR``) as
 ``tandem-recovery-*.json``; the exit summary joins them with the launcher's record
-(:func:`recovery_lines`).
+(:func:`recovery_lines`), and one line for each fall-back to ``restart``.
 
 Imports no torch at import time: only :meth:`InMemoryCoordinator.begin` does, to host the store.
 
@@ -35,6 +51,7 @@ import math
 import os
 import socket
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -61,6 +78,16 @@ HEARTBEAT_VARIABLE = "TANDEM_HEARTBEAT_TIMEOUT"
 AGENT_STORE_VARIABLE = "TORCHELASTIC_USE_AGENT_STORE"
 #: The report files the survivors write, one or more per recovery, in ``TANDEM_REPORT_DIR``.
 REPORT_GLOB = "tandem-recovery-*.json"
+#: What a worker that will recover in memory sets under :func:`able_key` (``tandem.recovery.ABLE``;
+#: one that will not sets ``"no: <reason>"``).
+ABLE = "1"
+#: Why a worker that set nothing under :func:`able_key` is not recovered in memory.
+NOT_STARTED = (
+    "recovery in memory never started: a script that uses neither tandem.Trainer nor "
+    "tandem.recovery.Run, or a loss during start-up"
+)
+#: The end of the launcher's line when it falls back.
+FALLS_BACK = "--recover in-memory falls back to restart"
 # How long the store's own operations (in the launcher) wait.
 _STORE_TIMEOUT = timedelta(seconds=60)
 
@@ -78,6 +105,64 @@ def dead_key(rank: int, environ: Mapping[str, str] = os.environ) -> str:
         'tandem/job-1ec1c26b50d5d3c58d9583181af80766/recover/dead/2'
     """
     return f"tandem/{key_scope(environ)}recover/dead/{rank}"
+
+
+def able_key(rank: int, environ: Mapping[str, str] = os.environ) -> str:
+    """The store key under which the worker of global ``rank`` says at its start whether it will
+    recover in memory: ``"1"`` (:data:`ABLE`), or ``"no: <reason>"``; a worker that sets nothing
+    cannot (:func:`unable`).
+
+    Example::
+
+        >>> able_key(0, {})
+        'tandem/recover/able/0'
+    """
+    return f"tandem/{key_scope(environ)}recover/able/{rank}"
+
+
+def unable(said: Mapping[int, str | None]) -> dict[int, str]:
+    """Of the workers still running, by global rank with what each set under :func:`able_key`
+    (None: nothing), those that will not recover in memory, each with why.
+
+    Example::
+
+        >>> unable({0: "1", 1: "no: the model is sharded", 2: None})[1]
+        'the model is sharded'
+        >>> sorted(unable({0: "1", 1: "no: the model is sharded", 2: None}))
+        [1, 2]
+    """
+    why = {}
+    for rank, value in said.items():
+        if value == ABLE:
+            continue
+        if value is None:
+            why[rank] = NOT_STARTED
+        elif value.startswith("no:") and value[3:].strip():
+            why[rank] = value[3:].strip()
+        else:
+            why[rank] = f"it said {value!r}"
+    return why
+
+
+def why_unable(why: Mapping[int, str], ranks: bool = False) -> str:
+    """The reasons :func:`unable` gave, as one text: the reason alone when every rank gave it
+    (unless ``ranks``), else each reason after the ranks that gave it.
+
+    Example::
+
+        >>> why_unable({0: "sharded", 2: "sharded"})
+        'sharded'
+        >>> why_unable({0: "sharded", 2: "sharded"}, ranks=True)
+        'ranks 0, 2: sharded'
+        >>> why_unable({0: "sharded", 1: "not started", 2: "sharded"})
+        'ranks 0, 2: sharded; rank 1: not started'
+    """
+    groups: dict[str, list[int]] = {}
+    for rank in sorted(why):
+        groups.setdefault(why[rank], []).append(rank)
+    if len(groups) == 1 and not ranks:
+        return next(iter(groups))
+    return "; ".join(f"{_ranks(listed)}: {reason}" for reason, listed in groups.items())
 
 
 def members_key(generation: int, environ: Mapping[str, str] = os.environ) -> str:
@@ -133,8 +218,11 @@ class InMemoryCoordinator(LocalCoordinator):
 
     ``begin`` starts the store (on loopback only where the address is a loopback one, so no
     other host can reach its keys) on ``port``, or on a port the kernel picks; the attempt's
-    environment makes every worker a client of it. ``report_failure`` announces a lost rank
-    under :func:`dead_key`. ``close`` (at the launcher's end, after every worker) stops it.
+    environment makes every worker a client of it. A restart (an attempt after the first:
+    the fall-back to ``restart``) closes the store of the attempt before and starts a fresh
+    one, so the restarted workers see none of its keys. ``report_failure`` announces a lost rank
+    under :func:`dead_key`; ``able`` reads what the workers said under :func:`able_key`.
+    ``close`` (at the launcher's end, after every worker) stops the store.
     """
 
     def __init__(self, addr: str, port: int | None, heartbeat_timeout: float = 10.0) -> None:
@@ -143,12 +231,11 @@ class InMemoryCoordinator(LocalCoordinator):
         self.heartbeat_timeout = heartbeat_timeout
 
     def begin(self, attempt: int) -> Attempt:
-        if attempt != 0 or self.store is not None:
-            raise LaunchError("--recover in-memory does not restart its workers")
+        self.close()  # the attempt before's: its workers are stopped, its keys go with it
         self.store, port = _host_store(self.addr, self.port)
         env = {
             AGENT_STORE_VARIABLE: "True",
-            ROUND_VARIABLE: "0",
+            ROUND_VARIABLE: "0",  # a fresh store each attempt: tandem.init meets in round 0
             RECOVER_VARIABLE: "in-memory",
             HEARTBEAT_VARIABLE: f"{self.heartbeat_timeout:g}",
         }
@@ -164,6 +251,19 @@ class InMemoryCoordinator(LocalCoordinator):
         if self.store is None or not self.store.check([key]):
             return None
         return [int(r) for r in json.loads(self.store.get(key))]
+
+    def able(self, ranks: Iterable[int]) -> dict[int, str | None]:
+        """What each of ``ranks`` set under :func:`able_key`: ``"1"``, ``"no: <reason>"``, or
+        None where it set nothing (yet)."""
+        said: dict[int, str | None] = {}
+        for rank in ranks:
+            key = able_key(rank)
+            if self.store is None or not self.store.check([key]):
+                said[rank] = None
+            else:
+                value = self.store.get(key)
+                said[rank] = value.decode(errors="replace") if isinstance(value, bytes) else value
+        return said
 
     def close(self) -> None:
         self.store = None  # the server stops with its last reference
@@ -234,6 +334,94 @@ def lost_summary(failure: Failure, going_on: int) -> str:
     return "\n".join(lines)
 
 
+@dataclass(frozen=True)
+class Fallback:
+    """A loss that could not be recovered in memory, so every worker was stopped: the fall-back
+    to ``restart``.
+
+    ``lost``: the workers lost at that moment (as the launcher saw them exit); ``unable``: the
+    workers still running that would not recover in memory, each with why (:func:`unable`),
+    empty when no worker was left running; ``restart``: the restart it led to (1 for the
+    first), 0 when ``--max-restarts`` (``max_restarts``) left none.
+    """
+
+    lost: tuple[Failure, ...]
+    unable: Mapping[int, str] = field(default_factory=dict)
+    restart: int = 0
+    max_restarts: int = 0
+
+    @property
+    def at(self) -> float:
+        """When the first of ``lost`` was seen to exit (``time.time()``; 0 if unknown)."""
+        return min((f.at for f in self.lost), default=0.0)
+
+
+def fallback_summary(fallback: Fallback) -> str:
+    """What the launcher says the moment it falls back to ``restart``: who was lost, which
+    workers cannot go on in memory and why, and whether every worker restarts.
+
+    Example::
+
+        >>> lost = (Failure(1, 1, "vm", -9, (), at=1.0),)
+        >>> why = {0: "the model is sharded", 2: "the model is sharded"}
+        >>> print(fallback_summary(Fallback(lost, why, restart=1, max_restarts=1)))
+        tandem run: rank 1 (killed by SIGKILL) was lost and ranks 0, 2 cannot be recovered in memory (the model is sharded): restarting every worker from the last checkpoint (restart 1 of 1; --recover in-memory falls back to restart)
+        >>> print(fallback_summary(Fallback(lost, why, restart=0, max_restarts=0)))
+        tandem run: rank 1 (killed by SIGKILL) was lost and ranks 0, 2 cannot be recovered in memory (the model is sharded): stopping every worker; no restart is left to resume them from the last checkpoint (--max-restarts 0; --recover in-memory falls back to restart)
+    """  # noqa: E501
+    were = "was" if len(fallback.lost) == 1 else "were"
+    text = f"tandem run: {_lost_ranks(fallback.lost)} {were} lost and "
+    if fallback.unable:
+        cannot = f"{_ranks(sorted(fallback.unable))} cannot be recovered in memory"
+        text += f"{cannot} ({why_unable(fallback.unable)}): "
+    else:
+        text += "no worker is left to go on in memory: "
+    if fallback.restart:
+        return (
+            f"{text}restarting every worker from the last checkpoint (restart "
+            f"{fallback.restart} of {fallback.max_restarts}; {FALLS_BACK})"
+        )
+    return (
+        f"{text}stopping every worker; no restart is left to resume them from the last "
+        f"checkpoint (--max-restarts {fallback.max_restarts}; {FALLS_BACK})"
+    )
+
+
+def fallback_line(fallback: Fallback, started: float) -> str:
+    """A fall-back as the exit summary lists it among the recoveries (without its number);
+    ``started``: the run's start (``time.time()``).
+
+    Example::
+
+        >>> lost = (Failure(1, 1, "vm", -9, (), at=107.2),)
+        >>> fallback_line(Fallback(lost, {0: "sharded", 2: "sharded"}, 1, 1), started=100.0)
+        'rank 1 (killed by SIGKILL) lost 7.2 s into the run; not recoverable in memory (ranks 0, 2: sharded): every worker restarted (restart 1 of 1) from the last checkpoint'
+    """  # noqa: E501
+    into = f"{fallback.at - started:.1f} s into the run" if fallback.at else "at its end"
+    text = f"{_lost_ranks(fallback.lost)} lost {into}; "
+    if fallback.unable:
+        text += f"not recoverable in memory ({why_unable(fallback.unable, ranks=True)}): "
+    else:
+        text += "no worker left to go on in memory: "
+    if fallback.restart:
+        return (
+            f"{text}every worker restarted (restart {fallback.restart} of "
+            f"{fallback.max_restarts}) from the last checkpoint"
+        )
+    return f"{text}every worker stopped, no restart left (--max-restarts {fallback.max_restarts})"
+
+
+def _lost_ranks(lost: Sequence[Failure]) -> str:
+    """``rank 1 (killed by SIGKILL)``, ``ranks 1 (killed by SIGKILL), 3 (exit code 1)``."""
+    hows = [f"{f.rank} ({f.cause or describe_exit(f.returncode, likely=False)})" for f in lost]
+    return f"{'rank' if len(lost) == 1 else 'ranks'} {', '.join(hows)}"
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    """``rank 1``, ``ranks 1, 3``."""
+    return f"{'rank' if len(ranks) == 1 else 'ranks'} {', '.join(str(r) for r in ranks)}"
+
+
 def recovery_reports(
     directory: Path, since: float = 0.0, run_id: str | None = None
 ) -> list[dict[str, Any]]:
@@ -278,12 +466,19 @@ def recovery_reports(
 
 
 def recovery_lines(
-    lost: Sequence[Failure], reports: Iterable[dict[str, Any]], started: float
+    lost: Sequence[Failure],
+    reports: Iterable[dict[str, Any]],
+    started: float,
+    fallback: Fallback | None = None,
+    first: int = 1,
 ) -> list[str]:
     """The exit summary's line per recovery: the launcher's record of each lost rank (which
     rank, how it ended, when) joined with the survivors' report naming it (the step lost and
     redone, by whom, how fast); a loss no report names says the survivors did not report a
-    recovery. In the order they happened; ``started``: the workers' start (``time.time()``).
+    recovery; ``fallback``, the loss that ended the attempt by a fall-back to ``restart``
+    (:func:`fallback_line`). In the order they happened, numbered from ``first`` (one call per
+    attempt: each attempt's ranks and generations count anew); ``started``: the run's start
+    (``time.time()``).
 
     Example::
 
@@ -312,8 +507,10 @@ def recovery_lines(
                 f"rank {failure.rank} ({how}) lost {into}; the survivors did not report a recovery"
             )
             entries.append((failure.at, len(entries), text))
+    if fallback is not None:  # it ended the attempt: nothing after it
+        entries.append((math.inf, len(entries), fallback_line(fallback, started)))
     entries.sort(key=lambda e: (e[0], e[1]))
-    return [f"recovery {i}: {text}" for i, (_, _, text) in enumerate(entries, 1)]
+    return [f"recovery {i}: {text}" for i, (_, _, text) in enumerate(entries, first)]
 
 
 def _reported(ranks: list[int], by_rank: Mapping[int, Failure], report: dict[str, Any]) -> str:

@@ -20,10 +20,12 @@ Per attempt:
    against ``--max-restarts``, as in torch's agent); each round may give this node another
    rank and the job another size.
 
-Under ``--recover in-memory`` (one node, ``in_memory.py``) there is one attempt: a worker that
-fails is recorded and announced in the job's store (which the launcher hosts), the others go
-on, and the job ends when every worker has exited: successfully if one ran to completion. The
-exit summary lists each recovery.
+Under ``--recover in-memory`` (one node, ``in_memory.py``) a worker that fails is recorded and
+announced in the job's store (which the launcher hosts), the others go on, and the job ends
+when every worker has exited: successfully if one ran to completion. Unless a worker still
+running did not say it recovers in memory (a sharded Trainer, a plain script): then the job
+falls back to ``restart`` (every worker stopped, and started again with a fresh store while
+``--max-restarts`` allows). The exit summary lists each recovery and fall-back.
 
 SIGINT, SIGTERM and SIGUSR1 sent to the launcher are passed to every worker.
 
@@ -56,9 +58,13 @@ from tandem.doctor import stragglers
 from tandem.launch.failures import Failure
 from tandem.launch.in_memory import (
     RECOVER_VARIABLE,
+    Fallback,
+    InMemoryCoordinator,
+    fallback_summary,
     lost_summary,
     recovery_lines,
     recovery_reports,
+    unable,
 )
 from tandem.launch.logfiles import LogPlan
 from tandem.launch.relay import CONSOLE_COLUMNS, CONSOLE_TTY, Console, console_env, relay
@@ -287,26 +293,78 @@ class Supervisor:
         return 128 + signum
 
     def _in_memory(self) -> int:
-        """``--recover in-memory``: one attempt; a failed worker is lost, not the job's end.
+        """``--recover in-memory``: a failed worker is lost, not the job's end, while every
+        worker still running recovers in memory; else the job falls back to ``restart``.
 
-        Each loss is announced in the store at once (``coordinator.report_failure``: the
-        survivors poll for it), then said here with the worker's last lines; what it left
-        behind (DataLoader workers in its process group) is killed. When every worker has
-        exited, the summary lists each recovery; the status is 0 if one worker ran to
-        completion, else the first loss's, reported as a failure is under ``restart``.
+        Each loss the others can go on from is announced in the store at once
+        (``coordinator.report_failure``: the survivors poll for it), then said here with the
+        worker's last lines; what it left behind (DataLoader workers in its process group) is
+        killed. A loss with a worker still running that did not say it recovers in memory
+        (``coordinator.able``), or one that leaves no worker running, is a fall-back
+        (:meth:`_in_memory_attempt`): said at once, every worker stopped as under ``restart``,
+        the usual failure report, and, while ``--max-restarts`` allows, every worker started
+        again (a restart, counted as under ``restart``) with a fresh store. When every worker
+        of the last attempt has exited, the summary lists each recovery and fall-back; the
+        status is 0 if one worker ran to completion, else the first loss's, reported as a
+        failure is under ``restart``.
         """
-        placement = self.coordinator.begin(0)
-        started = time.time()
-        self._start(0, 0, placement)
+        coordinator = self.coordinator
+        assert isinstance(coordinator, InMemoryCoordinator)
+        started = time.time()  # the run's: the summary says when each loss came from it
+        lines: list[str] = []  # the summary's recoveries, attempt after attempt
+        restarts = 0
+        attempt = 0
+        while True:
+            placement = coordinator.begin(attempt)  # a fresh store each attempt
+            began = time.time()
+            self._start(attempt, restarts, placement)
+            lost, fallback = self._in_memory_attempt(coordinator, restarts)
+            ended = time.time()
+            if self.stop_signal is not None:
+                return self._stopped(self.stop_signal, ended)
+            if fallback is not None:
+                self._stop_all(signal.SIGTERM, self.spec.grace_s)
+                self._say_failure(fallback.lost[0], began)
+            for w in self.workers:
+                w.drained_tail()
+            reports = recovery_reports(self.reports, since=began, run_id=self.spec.run_id)
+            lines += recovery_lines(lost, reports, started, fallback, first=len(lines) + 1)
+            if fallback is not None and fallback.restart:
+                restarts = fallback.restart
+                attempt += 1
+                continue
+            for line in lines:
+                _say(line)
+            if fallback is not None:
+                self._say_checkpoint(ended)
+                return fallback.lost[0].exit_code()
+            if len(lost) < len(self.workers):  # one ran to completion; the rest were recovered
+                return 0
+            failure = lost[0]
+            _say(
+                f"every worker failed ({len(lost)} of {len(self.workers)}): no survivor was left "
+                "to go on (--recover in-memory)"
+            )
+            self._say_failure(failure, began)
+            self._say_checkpoint(ended)
+            return failure.exit_code()
+
+    def _in_memory_attempt(
+        self, coordinator: InMemoryCoordinator, restarts: int
+    ) -> tuple[list[Failure], Fallback | None]:
+        """Watch one attempt's workers until every one has exited, a signal, or a fall-back to
+        ``restart`` (the workers then still running are left to the caller to stop). The
+        workers lost while the others went on, and the fall-back if one came."""
         running = list(self.workers)
         lost: list[Failure] = []
+        completed = 0
         generation = 1
         fenced: set[int] = set()
         while running and self.stop_signal is None:
             # The survivors decided a new membership: a worker left out of it (hung, or cut
             # off) is killed, so that it can neither hold their collectives nor come back
             # into a job that went on without it.
-            decided = self.coordinator.members(generation)  # type: ignore[attr-defined]
+            decided = coordinator.members(generation)
             if decided is not None:
                 for worker in running:
                     if worker.rank not in decided and worker.proc.poll() is None:
@@ -317,42 +375,46 @@ class Supervisor:
                         fenced.add(worker.rank)
                         worker.signal(signal.SIGKILL)
                 generation += 1
+            failed: list[tuple[Worker, Failure]] = []
             for worker in list(running):
                 code = worker.proc.poll()
                 if code is None:
                     continue
                 running.remove(worker)
                 if code == 0:
+                    completed += 1
                     continue
                 cause = LEFT_OUT if worker.rank in fenced else ""
                 failure = Failure(
                     worker.rank, worker.local_rank, self.host, code, (), cause, time.time()
                 )
-                self.coordinator.report_failure(placement.round, failure)  # survivors: now
-                worker.signal(signal.SIGKILL)  # its children, still in its process group
-                failure = dataclasses.replace(failure, tail=worker.drained_tail())
-                lost.append(failure)
-                _say(lost_summary(failure, len(running)))
+                failed.append((worker, failure))
+            if failed:
+                # Who goes on must have said it recovers in memory; with nobody left, a
+                # restart (while any is left) is what --recover restart would do.
+                why = unable(coordinator.able(w.rank for w in running)) if running else {}
+                if why or (not running and not completed and restarts < self.spec.max_restarts):
+                    left = restarts < self.spec.max_restarts
+                    for worker, _ in failed:
+                        worker.signal(signal.SIGKILL)  # its children, in its process group
+                    fallback = Fallback(
+                        tuple(dataclasses.replace(f, tail=w.drained_tail()) for w, f in failed),
+                        why,
+                        restart=restarts + 1 if left else 0,
+                        max_restarts=self.spec.max_restarts,
+                    )
+                    _say(fallback_summary(fallback))
+                    return lost, fallback
+                for worker, failure in failed:
+                    coordinator.report_failure(0, failure)  # the survivors: now
+                    worker.signal(signal.SIGKILL)  # its children, still in its process group
+                for worker, failure in failed:
+                    failure = dataclasses.replace(failure, tail=worker.drained_tail())
+                    lost.append(failure)
+                    _say(lost_summary(failure, len(running)))
             if running:
                 time.sleep(0.02)
-        ended = time.time()
-        if self.stop_signal is not None:
-            return self._stopped(self.stop_signal, ended)
-        for w in self.workers:
-            w.drained_tail()
-        reports = recovery_reports(self.reports, since=started, run_id=self.spec.run_id)
-        for line in recovery_lines(lost, reports, started):
-            _say(line)
-        if len(lost) < len(self.workers):  # one ran to completion; the rest were recovered from
-            return 0
-        failure = lost[0]
-        _say(
-            f"every worker failed ({len(lost)} of {len(self.workers)}): no survivor was left "
-            "to go on (--recover in-memory)"
-        )
-        self._say_failure(failure, started)
-        self._say_checkpoint(ended)
-        return failure.exit_code()
+        return lost, None
 
     def _start(self, attempt: int, restarts: int, placement: Attempt) -> None:
         spec = self.spec

@@ -76,9 +76,9 @@ class Trainer(Protocol):
 def why_not(trainer: Trainer) -> str | None:
     """Why this Trainer's set-up cannot be recovered in memory, or None if it can."""
     engine = trainer.engine
-    if engine.has_shards or model_state(engine.model).sharded:
+    if engine.model_state.sharded or model_state(engine.model).sharded:
         return "the model is sharded across ranks (FullyShardedDataParallel)"
-    if optimizer_state(engine.optimizer).sharded:
+    if engine.optimizer_state.sharded or optimizer_state(engine.optimizer).sharded:
         return (
             f"the optimizer's state is sharded across ranks ({type(engine.optimizer).__name__}): "
             "a lost rank takes its shard along"

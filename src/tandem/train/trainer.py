@@ -106,7 +106,9 @@ class Trainer:
     (training goes on), all ranks agreeing on the step first. ``resume="latest"`` continues from
     the newest one: model, optimizer, scheduler, grad scaler, epoch, step, the sampler's place,
     every rank's RNG states and tandem.DDP's bucket order, so the run ends bitwise where the
-    uninterrupted run would.
+    uninterrupted run would. Under ``tandem run --recover in-memory`` a lost rank costs the step
+    in flight, not the run: the others go on at the smaller size from the state they hold, as
+    if resumed from a checkpoint of the last step (:mod:`tandem.train.in_memory`).
 
     Batches: by default ``(inputs, targets)``, and ``loss_fn(model(inputs), targets)`` is the
     batch's mean loss (evaluation adds the accuracy when outputs are class scores for integer
