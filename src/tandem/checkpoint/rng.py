@@ -13,6 +13,7 @@ processes than saved it) seeds its generators from :func:`derived_seed` with :fu
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import random
 import warnings
@@ -104,6 +105,67 @@ def restore_rng_state(state: dict[str, Any]) -> None:
     )
     torch.set_rng_state(state["torch"].cpu().to(torch.uint8))
     _restore_cuda(list(state.get("cuda") or []))
+
+
+def compact_rng_state() -> dict[str, Any]:
+    """This process's generator states as small JSON-ready data, fast enough for every step
+    (recovery in memory publishes them at each commit): the 32-bit words packed as bytes,
+    base64-encoded. :func:`expand_rng_state` turns it into :func:`capture_rng_state`'s form.
+
+    Example::
+
+        compact = compact_rng_state()
+        a = torch.rand(3)
+        restore_rng_state(expand_rng_state(json.loads(json.dumps(compact))))
+        assert torch.equal(torch.rand(3), a)
+    """
+    version, internal, gauss_next = random.getstate()
+    name, keys, pos, has_gauss, cached_gaussian = np.random.get_state(legacy=True)
+    cuda = []
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        cuda = [_b64(s.numpy().tobytes()) for s in torch.cuda.get_rng_state_all()]
+    return {
+        "python": [version, _b64(np.asarray(internal, dtype=np.uint32).tobytes()), gauss_next],
+        "numpy": [name, _b64(np.asarray(keys, dtype=np.uint32).tobytes()), int(pos), int(has_gauss),
+                  float(cached_gaussian)],
+        "torch": _b64(torch.get_rng_state().numpy().tobytes()),
+        "cuda": cuda,
+    }  # fmt: skip
+
+
+def expand_rng_state(compact: dict[str, Any]) -> dict[str, Any]:
+    """:func:`compact_rng_state`'s data in :func:`capture_rng_state`'s form (for
+    :func:`restore_rng_state`, or a checkpoint)."""
+    version, internal, gauss_next = compact["python"]
+    name, keys, pos, has_gauss, cached_gaussian = compact["numpy"]
+    return {
+        "python": {
+            "version": version,
+            "internal": torch.from_numpy(_words(internal)),
+            "gauss_next": gauss_next,
+        },
+        "numpy": {
+            "bit_generator": name,
+            "keys": torch.from_numpy(_words(keys)),
+            "pos": pos,
+            "has_gauss": has_gauss,
+            "cached_gaussian": cached_gaussian,
+        },
+        "torch": _bytes_tensor(compact["torch"]),
+        "cuda": [_bytes_tensor(s) for s in compact["cuda"]],
+    }
+
+
+def _b64(raw: bytes) -> str:
+    return base64.b64encode(raw).decode()
+
+
+def _words(text: str) -> np.ndarray:
+    return np.frombuffer(base64.b64decode(text), dtype=np.uint32).astype(np.int64)
+
+
+def _bytes_tensor(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
 
 
 def _restore_cuda(saved: list[torch.Tensor]) -> None:

@@ -43,6 +43,7 @@ from typing import Any, Protocol
 
 import torch
 
+from tandem.checkpoint.rng import compact_rng_state, expand_rng_state
 from tandem.parallel.adapters import model_state, optimizer_state
 from tandem.parallel.engine import Engine
 from tandem.recovery import Recoverer, declare_unable, decode, enabled, encode
@@ -134,7 +135,7 @@ class InMemory:
         if self.recoverer is None:
             return
         saved = SavedRun(trainer.state, trainer.log.window, world_size=trainer.world.world_size)
-        self.recoverer.commit(step, encode(saved.rank_state_dict()))
+        self.recoverer.commit(step, encode(saved.rank_state_dict(compact_rng_state)))
 
     def keep(self, trainer: Trainer) -> None:
         """The shared state right after an optimizer step, the point a recovery goes back to."""
@@ -163,6 +164,8 @@ class InMemory:
         assert self.kept is not None
         self.recoverer.reform(trainer.state.step, trainer._release_world)
         states = [decode(value) for value in self.recoverer.committed_states()]
+        for state in states:
+            state["rng"] = expand_rng_state(state["rng"])
         trainer._build_world()
         saved = SavedRun(trainer.state, trainer.log.window, world_size=trainer.world.world_size)
         saved.load_state_dict(self.kept["trainer"])

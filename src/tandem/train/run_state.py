@@ -39,6 +39,7 @@ composition and the order of the gradient sums all change with ``W'``.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -142,9 +143,12 @@ class RunState:
             "history": list(self.history),
         }
 
-    def rank_state_dict(self) -> dict[str, Any]:
-        """This rank's own part: its RNG states and its loss sums of the epoch."""
-        return {"rng": capture_rng_state(), "epoch_loss": list(self.epoch_loss)}
+    def rank_state_dict(
+        self, capture: Callable[[], dict[str, Any]] = capture_rng_state
+    ) -> dict[str, Any]:
+        """This rank's own part: its RNG states (as ``capture`` takes them) and its loss sums
+        of the epoch."""
+        return {"rng": capture(), "epoch_loss": list(self.epoch_loss)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from ``state``; ValueError (on every rank alike) if this run cannot.

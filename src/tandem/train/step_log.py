@@ -26,11 +26,12 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from tandem._dist import from_rank0
+from tandem.checkpoint.rng import capture_rng_state
 from tandem.train.loggers import (
     JSONL_FILE,
     LoggerArg,
@@ -165,8 +166,10 @@ class SavedRun:
     def state_dict(self) -> dict[str, Any]:
         return {**self.run.state_dict(), _WINDOW: self.window.state_dict()}
 
-    def rank_state_dict(self) -> dict[str, Any]:
-        return {**self.run.rank_state_dict(), _WINDOW: self.window.rank_state_dict()}
+    def rank_state_dict(
+        self, capture: Callable[[], dict[str, Any]] = capture_rng_state
+    ) -> dict[str, Any]:
+        return {**self.run.rank_state_dict(capture), _WINDOW: self.window.rank_state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         state = dict(state)
