@@ -172,6 +172,15 @@ def test_tandem_run_trace_of_a_trainer_run(tmp_path):
     ]  # fmt: skip
     assert "tandem.ddp.bucket_reduce" in inside and "tandem.ddp.bucket_wait" in inside
     assert "steps per rank" in done.stderr  # the step summary comes with every run
+    # With the bytes each group was handed per step (test_handed_bytes.py checks the numbers).
+    assert "bytes handed to collectives per step, per group" in done.stderr, done.stderr
+    assert re.search(r"^  world: [\d,]+ B", done.stderr, re.M), done.stderr
+    # Each collective on its group's track, with the bytes it was handed.
+    tracks = {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    reduces = [e for e in events if e["name"] == "all_reduce" and e["ph"] == "X"]
+    on = {tracks[(e["pid"], e["tid"])] for e in reduces}
+    assert on and all(t.startswith("collectives of world") for t in on), on  # its lanes: ", 2"
+    assert all(e["args"]["group"] == "world" and e["args"]["bytes"] > 0 for e in reduces)
 
 
 def _traced_trainer(directory: str) -> int:

@@ -3,9 +3,10 @@
 After ``tandem.init()`` every ``torch.distributed`` collective goes through :func:`_recorded`,
 whoever calls it (tandem's engines, torch's helpers, the user's own ``dist.all_reduce``), and
 leaves a :class:`Record` in a bounded ring (the newest :data:`CAPACITY`): its sequence number in
-its group, the op, the group, the shapes and dtypes it sends, what the engine was doing (``DDP
-bucket 3, step 12``, set with :func:`tagged`), the line of user code it came from, and when it
-started and ended. A blocking call ends when it returns; an asynchronous one is marked ended the
+its group, the op, the group (named by :func:`group_name`), the shapes and dtypes it sends, the
+bytes this rank handed to it (:data:`HANDED`), what the engine was doing (``DDP bucket 3, step
+12``, set with :func:`tagged`), the line of user code it came from, and when it started and
+ended. A blocking call ends when it returns; an asynchronous one is marked ended the
 first time a later look (the next collective this process issues, or a report) finds its work
 done, and its work is let go of then: a finished collective's Work holds its tensors, and a
 record must not keep a bucket or an all-gathered buffer alive (on a GPU that is device memory).
@@ -14,6 +15,13 @@ On Gloo a blocking collective is issued asynchronously and waited for in slices 
 so that an error the doctor finds while it waits (``mismatch.fail``: the ranks' collectives
 differ) is raised in the waiting thread within a second, instead of after the collective's
 timeout: a thread blocked in C++ cannot be interrupted otherwise. NCCL's waits stay plain.
+
+The bytes handed are also added up per group for the step clock
+(``tandem.doctor.step_clock.handed``), which turns them into bytes per step per group for
+``tandem run``'s exit summary. They are the sizes of the tensors this rank gives the collective
+(``Tensor.nbytes``: metadata, no device sync), not what crosses the wire: a ring all-reduce of
+``B`` bytes over ``n`` ranks sends ``2 (n - 1) / n * B`` from each rank, an all-gather of a
+``B``-byte shard ``(n - 1) * B``; the backend's choice, which the count leaves out.
 
 The cost is a few microseconds of Python per collective (``benchmarks/ddp_throughput.py``
 measures it against recording switched off).
@@ -62,6 +70,25 @@ OPS = (
 )  # fmt: skip
 
 _POINT_TO_POINT = ("send", "recv", "isend", "irecv")
+
+#: The bytes a rank hands to a collective (:attr:`Record.nbytes`): the ``nbytes`` of the tensors
+#: in the argument named here, summed over a list. So: ``all_reduce`` and ``reduce`` the tensor;
+#: ``all_gather``, ``all_gather_into_tensor`` and ``gather`` this rank's input (its shard, not
+#: the gathered output); ``reduce_scatter(_tensor)`` the whole input (every rank's part);
+#: ``all_to_all(_single)`` the whole input (its own part included); ``send``/``isend`` the
+#: tensor. ``broadcast`` and ``scatter`` count on their source rank only (the tensor, the
+#: scatter list); a receiving rank, ``recv``/``irecv``, ``barrier`` and every ``*_object``
+#: collective count 0 (the object collectives issue tensor collectives of their own, which
+#: count themselves). A rank outside the group hands nothing.
+HANDED = {
+    "all_reduce": "tensor", "reduce": "tensor", "all_gather": "tensor",
+    "all_gather_into_tensor": "input_tensor", "all_gather_single": "input_tensor",
+    "gather": "tensor", "reduce_scatter": "input_list", "reduce_scatter_tensor": "input",
+    "reduce_scatter_single": "input", "all_to_all": "input_tensor_list",
+    "all_to_all_single": "input", "send": "tensor", "isend": "tensor",
+    "broadcast": "tensor", "scatter": "scatter_list",
+}  # fmt: skip
+_FROM_SOURCE = ("broadcast", "scatter")
 # Deprecated names that call the newer function (looked up in c10d at call time): recording
 # both would count each collective twice.
 _FORWARDS = {
@@ -83,7 +110,7 @@ class Record:
 
     seq: int  # its number among this group's collectives on this rank, from 1
     op: str
-    group: str  # "world", or "ranks 0,2" for a subgroup
+    group: str  # "world", or "ranks 0,2" for a subgroup (see `group_name`)
     shapes: tuple[tuple[int, ...], ...]
     dtypes: tuple[str, ...]
     context: str | None  # what the engine was doing ("DDP bucket 3, step 12")
@@ -91,6 +118,7 @@ class Record:
     thread: str
     start: float  # time.time()
     end: float | None = None  # None: not known to have ended yet
+    nbytes: int = 0  # the bytes this rank handed to the collective (see HANDED)
     work: Any = field(default=None, repr=False, compare=False)  # an async op's, until done
     gloo: bool = field(default=False, repr=False)  # its group's backend: waited for in slices
     failed: bool = field(default=False, repr=False)  # a wait for it raised (a timeout, say)
@@ -118,6 +146,7 @@ class Record:
             "thread": self.thread,
             "start": self.start,
             "end": self.end,
+            "nbytes": self.nbytes,
         }
 
     def poll(self) -> bool:
@@ -133,7 +162,8 @@ class _State(threading.local):
 
 _ring: collections.deque[Record] = collections.deque(maxlen=CAPACITY)
 _seq: dict[Any, int] = {}
-_groups: dict[Any, tuple[str, bool]] = {}  # group key -> (its name, whether it is Gloo's)
+# Group key -> (its name, whether it is Gloo's, whether this rank is in it).
+_groups: dict[Any, tuple[str, bool, bool]] = {}
 _dtype_names: dict[torch.dtype, str] = {}
 _lock = threading.Lock()
 # Records whose asynchronous work was not yet seen done, oldest first (polled by `_start`).
@@ -288,6 +318,7 @@ def _recorded(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
     params = list(inspect.signature(original).parameters)
     group_at = params.index("group") if "group" in params else None
     async_at = params.index("async_op") if "async_op" in params else None
+    measure = _measurer(name, params)
 
     @functools.wraps(original)
     def call(*args: Any, **kwargs: Any) -> Any:
@@ -298,7 +329,8 @@ def _recorded(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
         group = kwargs.get("group")
         if group is None and group_at is not None and len(args) > group_at:
             group = args[group_at]
-        record = _start(name, group, args, kwargs)
+        handed = measure(args, kwargs, group) if measure is not None else 0
+        record = _start(name, group, args, kwargs, handed)
         if async_at is not None and len(args) > async_at:
             is_async = args[async_at]
             # Blocking on Gloo: issued asynchronously and waited for in slices (see `wait`).
@@ -340,7 +372,41 @@ def _recorded(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
     return call
 
 
-def _start(op: str, group: Any, args: tuple, kwargs: dict) -> Record:
+def _measurer(op: str, params: list[str]) -> Callable[[tuple, dict, Any], int] | None:
+    """What counts the bytes ``op`` is handed (:data:`HANDED`); None if it is handed none."""
+    handed = HANDED.get(op)
+    if handed is None or handed not in params:
+        return None
+    at = params.index(handed)
+    # Where a broadcast's or scatter's source is named: (parameter, position), if it has one.
+    sources = [(name, params.index(name)) for name in ("src", "group_src") if name in params]
+
+    def measure(args: tuple, kwargs: dict, group: Any) -> int:
+        value = args[at] if len(args) > at else kwargs.get(handed)
+        if value is None:
+            return 0
+        if op in _FROM_SOURCE:
+            named = {n: args[i] if len(args) > i else kwargs.get(n) for n, i in sources}
+            if not _is_source(named.get("src"), named.get("group_src"), group):
+                return 0
+        if isinstance(value, torch.Tensor):
+            return value.nbytes
+        return sum(t.nbytes for t in value if isinstance(t, torch.Tensor))
+
+    return measure
+
+
+def _is_source(src: int | None, group_src: int | None, group: Any) -> bool:
+    """Whether this rank is a broadcast's or scatter's source (``src`` is a global rank)."""
+    try:
+        if group_src is not None:
+            return dist.get_rank(group) == group_src
+        return src is not None and dist.get_rank() == src
+    except Exception:  # not initialized: torch's own call raises its error next
+        return False
+
+
+def _start(op: str, group: Any, args: tuple, kwargs: dict, nbytes: int = 0) -> Record:
     tensors = [t for t in _tensors(args) if isinstance(t, torch.Tensor)]
     tensors += [t for t in _tensors(tuple(kwargs.values())) if isinstance(t, torch.Tensor)]
     key = id(group) if group is not None else None
@@ -353,7 +419,10 @@ def _start(op: str, group: Any, args: tuple, kwargs: dict) -> Record:
         seq = _seq[key] = _seq.get(key, 0) + 1
         known = _groups.get(key)
     if known is None:
-        known = _groups[key] = (_group_name(group), _is_gloo(group))
+        name = group_name(group) or f"group {id(group):x}"
+        known = _groups[key] = (name, _is_gloo(group), _is_member(group))
+    if not known[2]:
+        nbytes = 0  # not in the group: torch issues nothing
     record = Record(
         seq=seq,
         op=op,
@@ -364,10 +433,13 @@ def _start(op: str, group: Any, args: tuple, kwargs: dict) -> Record:
         site=_user_site(),
         thread=threading.current_thread().name,
         start=time.time(),
+        nbytes=nbytes,
         gloo=known[1],
     )
     with _lock:
         _ring.append(record)
+        if nbytes:  # under the lock: threads of one process add to the same sums
+            step_clock.handed(record.group, nbytes)
     return record
 
 
@@ -393,13 +465,59 @@ def _is_gloo(group: Any) -> bool:
         return False
 
 
-def _group_name(group: Any) -> str:
+def group_name(group: Any) -> str | None:
+    """The name records give ``group``, the same on each of its ranks; None if torch cannot
+    tell its ranks here (a group already destroyed, say). A rank outside the group (where a
+    collective on it issues nothing and counts no bytes) names it as well as torch lets it.
+
+    ``"world"`` for the default group; else ``"ranks "`` and its global ranks in group order,
+    then in brackets the description given to ``dist.new_group(group_desc=...)``, if any, and
+    ``2nd``, ``3rd``, ... for the second, third live group of the same ranks (in the order torch
+    made them, the same on every rank: ``new_group`` is collective), so that two groups never
+    share a name.
+
+    Example::
+
+        dist.new_group([0, 1])                          # "ranks 0,1"
+        dist.new_group([0, 1], group_desc="shard")      # "ranks 0,1 (shard, 2nd)"
+        dist.new_group([2, 0])                          # "ranks 2,0"
+    """
     if group is None or group is c10d.GroupMember.WORLD:
         return "world"
     try:
-        return "ranks " + ",".join(str(r) for r in dist.get_process_group_ranks(group))
+        ranks = dist.get_process_group_ranks(group)
     except Exception:  # a group this rank is not in, or one already destroyed
-        return f"group {id(group):x}"
+        return None
+    notes = []
+    described = getattr(group, "group_desc", None)
+    if described and described not in ("undefined", "default_pg"):
+        notes.append(described)
+    # Earlier live groups of the same ranks (torch's registry keeps the order they were made).
+    made = getattr(getattr(c10d, "_world", None), "pg_group_ranks", {})
+    world = c10d.GroupMember.WORLD
+    same = [g for g, m in made.items() if g is not world and sorted(m, key=m.get) == ranks]
+    if group in same and same.index(group) > 0:
+        notes.append(_ordinal(same.index(group) + 1))
+    name = "ranks " + ",".join(str(r) for r in ranks)
+    return f"{name} ({', '.join(notes)})" if notes else name
+
+
+def _is_member(group: Any) -> bool:
+    """Whether this rank is in ``group`` (a collective on a group it is not in issues nothing)."""
+    try:
+        return group is None or dist.get_rank(group) >= 0
+    except Exception:  # destroyed, or a sentinel torch gives for a group this rank is not in
+        return False
+
+
+def _ordinal(n: int) -> str:
+    """``2nd`` for 2.
+
+    >>> [_ordinal(n) for n in (2, 3, 4, 11, 21, 22)]
+    ['2nd', '3rd', '4th', '11th', '21st', '22nd']
+    """
+    tens = n % 100 in (11, 12, 13)
+    return f"{n}{'th' if tens else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
 
 
 def _user_site() -> str:

@@ -6,6 +6,12 @@ sum, by :mod:`tandem.doctor.records` for a blocking call and by ``with steps.wai
 an engine's wait on an asynchronous one (nested waits count once). A step's waiting is what that
 sum grew by between its two ticks.
 
+Likewise the bytes handed to collectives: :mod:`tandem.doctor.records` adds each collective's
+(its :attr:`~tandem.doctor.records.Record.nbytes`) to a running sum per group with
+:func:`handed`, and a step's bytes per group are what those sums grew by between its two ticks
+(a step starts at its tick: DDP's buffer broadcast and the backward's all-reduces fall in the
+step of their forward).
+
 What a step is: for tandem.DDP a forward in grad mode, for FullyShardedDataParallel a forward
 of the root in grad mode, for the Trainer an optimizer step. The Trainer's clock wins over the
 engine's (with gradient accumulation one optimizer step is several forwards); among engines the
@@ -13,13 +19,15 @@ first one built counts (a second model's forwards fall inside the first one's st
 
 At exit a rank writes ``tandem-steps-<run id>-rank<R>.json`` into ``TANDEM_REPORT_DIR``
 (``tandem run`` sets it for its workers; nothing is written without it): the newest
-:data:`KEEP` steps as ``[seconds, seconds waited]`` and the seconds waited in all. The launcher's
-exit summary (:mod:`tandem.doctor.stragglers`) reads them.
+:data:`KEEP` steps as ``[seconds, seconds waited]``, the same steps' bytes handed to collectives
+as ``{group: bytes}`` (``handed``; a group handed nothing in a step is left out), and the
+seconds waited in all. The launcher's exit summary (:mod:`tandem.doctor.stragglers`) reads them.
 
 Example::
 
     clock = steps.clock("tandem.DDP forwards", priority=1)   # once, when the engine is built
     clock.tick()                                              # once per step
+    step_clock.handed("world", 4096)                          # records does this per collective
     with steps.waiting:                                       # around a wait on async work
         work.wait()
 """
@@ -43,6 +51,7 @@ KEEP = 10_000
 
 _clocks: list[Clock] = []
 _waited = 0.0  # seconds any thread of this process spent blocked in collectives
+_handed: dict[str, int] = {}  # bytes handed to collectives so far, per group name
 _pid: int | None = None  # the process that made the clocks: a forked child writes nothing
 
 
@@ -77,6 +86,29 @@ def blocked(seconds: float) -> None:
         _waited += seconds
 
 
+def handed(group: str, nbytes: int) -> None:
+    """A collective of ``group`` (its records name) was handed ``nbytes`` by this rank.
+
+    Not thread-safe on its own: :mod:`tandem.doctor.records` calls it under its lock.
+
+    Example::
+
+        step_clock.handed("ranks 0,1", flat.nbytes)
+    """
+    _handed[group] = _handed.get(group, 0) + nbytes
+
+
+def handed_so_far() -> dict[str, int]:
+    """Bytes handed to collectives by this process so far, per group (a copy).
+
+    Example::
+
+        before = step_clock.handed_so_far()
+        dist.all_reduce(torch.ones(4))       # 16 more bytes under "world"
+    """
+    return _handed.copy()
+
+
 def waited() -> float:
     """Seconds this process has spent blocked in collectives so far."""
     return _waited
@@ -89,21 +121,29 @@ class Clock:
     (the Trainer's is 0, an engine's 1).
     """
 
-    __slots__ = ("last", "name", "priority", "steps", "waited_then")
+    __slots__ = ("handed", "handed_then", "last", "name", "priority", "steps", "waited_then")
 
     def __init__(self, name: str, priority: int) -> None:
         self.name = name
         self.priority = priority
         self.last: float | None = None
         self.waited_then = 0.0
+        self.handed_then: dict[str, int] = {}
         self.steps: deque[tuple[float, float]] = deque(maxlen=KEEP)
+        #: Per step of ``steps`` (the same index): bytes handed to collectives per group.
+        self.handed: deque[dict[str, int]] = deque(maxlen=KEEP)
 
     def tick(self) -> None:
         """A step starts (and the previous one, if any, ends)."""
-        now, so_far = time.perf_counter(), _waited
+        # The copy is atomic under the GIL: a collective on another thread lands in one step.
+        now, so_far, sums = time.perf_counter(), _waited, _handed.copy()
         if self.last is not None:
             self.steps.append((now - self.last, so_far - self.waited_then))
-        self.last, self.waited_then = now, so_far
+            then = self.handed_then
+            self.handed.append(
+                {g: n - then.get(g, 0) for g, n in sums.items() if n != then.get(g, 0)}
+            )
+        self.last, self.waited_then, self.handed_then = now, so_far, sums
 
 
 def clock(name: str, priority: int) -> Clock:
@@ -142,6 +182,7 @@ def write(directory: str | Path) -> Path | None:
         "attempt": int(os.environ.get("TANDEM_RESTART_COUNT", "0") or 0),
         "clock": chosen.name,
         "steps": [[round(s, 7), round(w, 7)] for s, w in chosen.steps],
+        "handed": list(chosen.handed),
         "waited_s": _waited,
     }
     path = Path(directory) / file_name(run_id, rank)

@@ -7,6 +7,13 @@ straggler has the most work and waits least. The summary lists, per rank, the me
 and time spent waiting, and names the rank whose median work is more than :data:`THRESHOLD`
 above the median over ranks.
 
+Then the bytes each process group was handed per step (:mod:`tandem.doctor.records` defines
+them: the sizes of the tensors a rank gives each collective), a line per group: each rank's
+median step (the lower median: a step that really happened, exact to the byte), the same on
+every rank of the group in data parallelism, so one number; where ranks differ (a broadcast
+counts on its source only) the values with their ranks. Rank 0 alone would not do: it is not in
+every group.
+
 The step files come from :mod:`tandem.doctor.step_clock`; ``tandem run`` prints :func:`summary` at
 the end of every run (its workers write into its report directory).
 
@@ -22,8 +29,8 @@ from __future__ import annotations
 import contextlib
 import json
 import statistics
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tandem.doctor import step_clock
@@ -34,10 +41,25 @@ THRESHOLD = 0.10
 
 @dataclass(frozen=True)
 class RankSteps:
-    """One rank's steps: ``(seconds, seconds waited in collectives)`` each."""
+    """One rank's steps: ``(seconds, seconds waited in collectives)`` each, and the bytes it
+    handed to collectives per group in each (``handed``, the same steps; empty if unknown)."""
 
     rank: int
     steps: Sequence[tuple[float, float]]
+    handed: Sequence[Mapping[str, int]] = field(default=())
+
+    def median_handed(self, group: str) -> int | None:
+        """The lower median over steps of the bytes handed to ``group``; None if it never was.
+
+        Example::
+
+            >>> steps = RankSteps(0, [(0.1, 0.0)] * 3, [{"world": 8}, {"world": 8}, {}])
+            >>> steps.median_handed("world"), steps.median_handed("ranks 0,1")
+            (8, None)
+        """
+        if not any(group in step for step in self.handed):
+            return None
+        return statistics.median_low(step.get(group, 0) for step in self.handed)
 
     @property
     def median_step(self) -> float:
@@ -109,7 +131,46 @@ def describe(ranks: Sequence[RankSteps], threshold: float = THRESHOLD) -> str:
             f"  rank {worst.rank} is the slowest: {_ms(worst.median_work)} of work per step, "
             f"{more:.0%} more than the median rank's {_ms(middle)}"
         )
+    lines += handed_lines(ranks)
     return "\n".join(lines)
+
+
+def handed_lines(ranks: Sequence[RankSteps]) -> list[str]:
+    """The summary's lines on bytes handed to collectives per step, a line per group (none if
+    no rank handed any): each rank's median step, one number where the group's ranks agree.
+
+    Example::
+
+        >>> even = [{"world": 1_180_160, "ranks 0,1": 64}] * 3
+        >>> ranks = [RankSteps(0, [(0.1, 0.0)] * 3, even), RankSteps(1, [(0.1, 0.0)] * 3, even),
+        ...          RankSteps(2, [(0.1, 0.0)] * 3, [{"world": 4}] * 3)]
+        >>> print("\\n".join(handed_lines(ranks)))
+        bytes handed to collectives per step, per group (median step of each rank):
+          world: 1,180,160 B (1.18 MB) on ranks 0,1; 4 B on rank 2
+          ranks 0,1: 64 B on each of its ranks
+    """
+    groups: dict[str, None] = {}  # in the order they first appear
+    for r in sorted(ranks, key=lambda r: r.rank):
+        for step in r.handed:
+            groups.update(dict.fromkeys(step))
+    if not groups:
+        return []
+    lines = ["bytes handed to collectives per step, per group (median step of each rank):"]
+    for group in sorted(groups, key=lambda g: (g != "world", _group_order(g))):
+        by_value: dict[int, list[int]] = {}
+        for r in sorted(ranks, key=lambda r: r.rank):
+            median = r.median_handed(group)
+            if median is not None:
+                by_value.setdefault(median, []).append(r.rank)
+        if len(by_value) == 1:
+            lines.append(f"  {group}: {_bytes(next(iter(by_value)))} on each of its ranks")
+            continue
+        parts = [
+            f"{_bytes(n)} on rank{'s' if len(who) > 1 else ''} {','.join(map(str, who))}"
+            for n, who in sorted(by_value.items(), key=lambda item: -item[0])
+        ]
+        lines.append(f"  {group}: {'; '.join(parts)}")
+    return lines
 
 
 def read(directory: Path, run_id: str | None = None) -> list[RankSteps]:
@@ -126,7 +187,10 @@ def read(directory: Path, run_id: str | None = None) -> list[RankSteps]:
         with contextlib.suppress(KeyError, TypeError, ValueError):
             if int(d.get("attempt", 0)) == latest:
                 pairs = [(float(s), float(w)) for s, w in d["steps"]]
-                ranks[int(d["rank"])] = RankSteps(int(d["rank"]), pairs)
+                handed = [{str(g): int(n) for g, n in step.items()} for step in d.get("handed", [])]
+                if len(handed) != len(pairs):  # a file of an older tandem, or a broken one
+                    handed = []
+                ranks[int(d["rank"])] = RankSteps(int(d["rank"]), pairs, handed)
     return [ranks[r] for r in sorted(ranks)]
 
 
@@ -140,6 +204,22 @@ def summary(directory: Path, run_id: str | None = None) -> str | None:
     """
     ranks = read(directory, run_id)
     return describe(ranks) if ranks else None
+
+
+def _group_order(name: str) -> tuple[int, str]:
+    # Groups by their first rank ("ranks 0,1" before "ranks 2,3"), then by name.
+    head = name.removeprefix("ranks ").split(",")[0].split(" ")[0]
+    return (int(head) if head.isdigit() else 1 << 30, name)
+
+
+def _bytes(n: int) -> str:
+    """Exact, and readable where it is large: ``1,180,160 B (1.18 MB)``, ``64 B``."""
+    if n < 1000:
+        return f"{n} B"
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n:,} B ({n / size:.2f} {unit})"
+    raise AssertionError(n)  # unreachable: n >= 1000 above
 
 
 def _ms(seconds: float) -> str:

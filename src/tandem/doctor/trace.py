@@ -9,15 +9,17 @@ each rank keeps, in memory and bounded to the newest :data:`CAPACITY` of each:
   all-gathers and reduce-scatters, ZeRO's step, every ``optimizer.step``, the Trainer's data
   loading (``tandem.train.data``) and checkpoints (``tandem.train.checkpoint``, and
   ``tandem.train.checkpoint_write`` for the file itself);
-- every collective of :mod:`tandem.doctor.records` (op, group, shapes, what the engine was doing,
-  the user's line), from its issue to its end. An asynchronous collective's end is when a
-  later span of this process finds its work done: close enough, with spans every bucket.
+- every collective of :mod:`tandem.doctor.records` (op, group, shapes, bytes handed, what the
+  engine was doing, the user's line), from its issue to its end. An asynchronous collective's
+  end is when a later span of this process finds its work done: close enough, with spans every
+  bucket.
 
 At exit, or on :func:`flush`, a rank writes ``DIR/trace-rank<R>.json``, a Chrome trace whose
 process is the rank (``pid`` = rank, named ``rank R``), with a track per thread and the
-collectives on tracks of their own (``collectives``; overlapping asynchronous ones take a
-second lane). :func:`merge` joins the ranks' files into ``DIR/trace.json``, times counted from
-the first event; ``tandem run --trace DIR`` does so when the job ends.
+collectives on tracks of their own, one per process group (``collectives of world``,
+``collectives of ranks 0,1``; overlapping asynchronous ones of a group take a second lane,
+``collectives of world, 2``). :func:`merge` joins the ranks' files into ``DIR/trace.json``,
+times counted from the first event; ``tandem run --trace DIR`` does so when the job ends.
 :func:`tandem.doctor.trace_png.render` draws a trace as a PNG.
 
 Cost: off, a flag check per span; on, a few microseconds per span and nothing per collective
@@ -78,7 +80,8 @@ CATEGORIES = (
     ("data", ("tandem.train.data",)),
     ("checkpoint", ("checkpoint",)),
 )
-#: The track of a rank's first lane of collectives; lane k is ``COLLECTIVE_TID + k``.
+#: The track of a rank's first lane of collectives; lane k is ``COLLECTIVE_TID + k`` (the lanes
+#: of every group, numbered in the order they first appear).
 COLLECTIVE_TID = 1000
 
 
@@ -206,17 +209,22 @@ def events(rank: int) -> list[dict[str, Any]]:
         if detail is not None:
             event["args"] = {"detail": detail}
         out.append(event)
-    lanes: list[float] = []  # the end of the last collective on each lane
+    # Per group, the end of the last collective on each of its lanes, and the lanes' tracks.
+    lanes: dict[str, list[float]] = {}
+    tracks: dict[tuple[str, int], int] = {}
     for r in collectives:
-        lane = next((k for k, free in enumerate(lanes) if free <= r.start), len(lanes))
-        if lane == len(lanes):
-            lanes.append(0.0)
+        ends = lanes.setdefault(r.group, [])
+        lane = next((k for k, free in enumerate(ends) if free <= r.start), len(ends))
+        if lane == len(ends):
+            ends.append(0.0)
         ended = r.end if r.end is not None else r.start
-        lanes[lane] = ended
-        event = _complete(r.op, "collective", r.start, ended, rank, COLLECTIVE_TID + lane)
+        ends[lane] = ended
+        track = tracks.setdefault((r.group, lane), COLLECTIVE_TID + len(tracks))
+        event = _complete(r.op, "collective", r.start, ended, rank, track)
         event["args"] = {
-            "seq": r.seq, "group": r.group, "context": r.context, "site": r.site,
-            "thread": r.thread, "shapes": [list(s) for s in r.shapes], "dtypes": list(r.dtypes),
+            "seq": r.seq, "group": r.group, "bytes": r.nbytes, "context": r.context,
+            "site": r.site, "thread": r.thread, "shapes": [list(s) for s in r.shapes],
+            "dtypes": list(r.dtypes),
         }  # fmt: skip
         if r.end is None:  # never seen to end: an instant, not a duration
             event.update(ph="i", s="t")
@@ -227,10 +235,10 @@ def events(rank: int) -> list[dict[str, Any]]:
     for ident, tid in tids.items():
         meta.append(_meta("thread_name", rank, tid, name=names.get(ident, f"thread {ident}")))
         meta.append(_meta("thread_sort_index", rank, tid, sort_index=tid))
-    for lane in range(len(lanes)):
-        label = "collectives" if lane == 0 else f"collectives {lane + 1}"
-        meta.append(_meta("thread_name", rank, COLLECTIVE_TID + lane, name=label))
-        meta.append(_meta("thread_sort_index", rank, COLLECTIVE_TID + lane, sort_index=1000))
+    for (group, lane), track in tracks.items():
+        label = f"collectives of {group}" + ("" if lane == 0 else f", {lane + 1}")
+        meta.append(_meta("thread_name", rank, track, name=label))
+        meta.append(_meta("thread_sort_index", rank, track, sort_index=track))
     return meta + out
 
 

@@ -88,7 +88,9 @@ def render(
             heights.setdefault(cat, []).append(pitch * 0.9)
         rows = 1 + max(depth for *_, depth in placed)
         ticks.append(y + min(rows * pitch, 0.5) / 2)
-        labels.append(f"rank {pid} · {names.get((pid, tid), tid)}")
+        # One row holds the collectives of every group (each group's lanes its sub-rows).
+        label = "collectives" if tid == COLLECTIVE_TID else names.get((pid, tid), tid)
+        labels.append(f"rank {pid} · {label}")
         y += max(rows * pitch, 0.5) + 0.25
     figure = figure_module.Figure(figsize=(12, 1.2 + 0.45 * y), layout="constrained")
     ax = figure.add_subplot()
