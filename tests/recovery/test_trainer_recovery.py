@@ -20,6 +20,7 @@ recovery; 3 ranks, one lost, 2 go on):
 from __future__ import annotations
 
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -41,12 +42,24 @@ final = final_checkpoint
 
 
 @pytest.fixture(scope="module")
-def oracle(tmp_path_factory) -> dict:
-    """3 ranks train to step 6 and save; 2 ranks resume from it to the end."""
-    run_dir = tmp_path_factory.mktemp("oracle")
+def half(tmp_path_factory) -> Path:
+    """3 ranks train to step 6 and save: the oracles' first half."""
+    run_dir = tmp_path_factory.mktemp("half")
     launch(3, run_dir, "--max-steps", "6")
-    launch(2, run_dir, "--resume")
-    return final(run_dir)
+    return run_dir
+
+
+def resumed(half: Path, where: Path, nproc: int) -> dict:
+    """``half``'s run resumed at ``nproc`` ranks to the end, in a copy at ``where``."""
+    shutil.copytree(half, where)
+    launch(nproc, where, "--resume")
+    return final(where)
+
+
+@pytest.fixture(scope="module")
+def oracle(half, tmp_path_factory) -> dict:
+    """3 ranks train to step 6 and save; 2 ranks resume from it to the end."""
+    return resumed(half, tmp_path_factory.mktemp("oracle") / "run", 2)
 
 
 def assert_same_run(got: dict, expected: dict) -> None:
@@ -59,7 +72,7 @@ def assert_same_run(got: dict, expected: dict) -> None:
     mine, theirs = got["trainer"], expected["trainer"]
     for key in ("world_size", "epoch", "step", "batch", "sampler"):
         assert mine[key] == theirs[key], key
-    assert len(mine["ranks"]) == len(theirs["ranks"]) == 2
+    assert len(mine["ranks"]) == len(theirs["ranks"])
     for rank, (a, b) in enumerate(zip(mine["ranks"], theirs["ranks"], strict=True)):
         assert torch.equal(a["rng"]["torch"], b["rng"]["torch"]), f"rank {rank}'s generator"
         assert a["epoch_loss"] == b["epoch_loss"], f"rank {rank}'s loss sums"
@@ -86,6 +99,23 @@ def test_a_trainer_survives_a_lost_rank_and_equals_a_resume(tmp_path, oracle, ki
     summary = [line for line in result.stderr.splitlines() if "tandem run: recovery 1:" in line]
     assert len(summary) == 1 and "step 6 redone" in summary[0], result.stderr[-3000:]
     assert_same_run(final(tmp_path), oracle)
+
+
+@pytest.mark.timeout(400)
+def test_a_second_loss_before_the_redo_commits_goes_back_to_the_same_step(tmp_path, half):
+    """Rank 1 is lost in step 7's forward; rank 2 is lost in the redo, before it commits: the
+    second re-form goes back to step 6's committed state again (that of 3 ranks), and rank 0
+    alone ends where 1 rank resumed from step 6 ends."""
+    result = launch(
+        3, tmp_path / "run", "--kill", "1:6:forward", "--kill", "2:6:redo", recover=True
+    )
+    lost = re.findall(r"^tandem run: rank (\d+) \(.*\) was lost", result.stderr, re.M)
+    assert lost == ["1", "2"], result.stderr[-3000:]
+    summary = [line for line in result.stderr.splitlines() if "tandem run: recovery " in line]
+    assert len(summary) == 2 and all("step 6 redone" in line for line in summary), summary
+    got = final(tmp_path / "run")
+    assert got["trainer"]["world_size"] == 1
+    assert_same_run(got, resumed(half, tmp_path / "oracle", 1))
 
 
 @pytest.mark.timeout(200)

@@ -1,14 +1,16 @@
 """A worker of the Trainer's recovery tests: an unchanged Trainer script, with a fault injected.
 
-    python -m tests.recovery.trainer_worker RUN_DIR [--kill RANK:STEP:WHERE] [--max-steps K]
-                                                    [--resume]
+    python -m tests.recovery.trainer_worker RUN_DIR [--kill RANK:STEP:WHERE ...]
+                                                    [--max-steps K] [--resume]
 
 The script is what a user writes (a Trainer over an MLP with dropout, SGD with momentum, an
 evaluation set, a step log, checkpoints every 3 steps and at the end); nothing in it knows of
 recovery. ``--kill`` makes launch rank RANK die at optimizer step STEP (while ``trainer.step ==
 STEP``), WHERE = ``forward`` (SIGKILL in its training step, before the backward), ``step``
 (SIGKILL inside the optimizer step: after the step committed), ``save`` (SIGKILL while rank 0
-writes the checkpoint of step STEP) or ``hang`` (SIGSTOP before the backward). ``--max-steps K``
+writes the checkpoint of step STEP), ``hang`` (SIGSTOP before the backward) or ``redo`` (SIGKILL
+in its training step once the world has shrunk: in the redo after another rank's loss, a second
+loss before that redo commits); ``--kill`` may be repeated. ``--max-steps K``
 trains K steps and stops (the oracle's first half: it saves at the end); ``--resume`` continues
 from the latest checkpoint (the second half, at another world size).
 """
@@ -39,7 +41,7 @@ def data(n: int, seed: int) -> TensorDataset:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("run_dir")
-    parser.add_argument("--kill", default=None)
+    parser.add_argument("--kill", action="append", default=[])
     parser.add_argument("--max-steps", type=int, default=None)
     parser.add_argument("--resume", action="store_true")
     args = parser.parse_args()
@@ -47,8 +49,10 @@ def main() -> None:
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     tandem.init()
     me = int(os.environ["RANK"])
-    victim, at, where = args.kill.split(":") if args.kill else ("-1", "-1", "")
-    dies = me == int(victim)
+    mine = [kill.split(":")[1:] for kill in args.kill if int(kill.split(":")[0]) == me]
+    at, where = mine[0] if mine else ("-1", "")
+    dies = bool(mine)
+    size = int(os.environ["WORLD_SIZE"])
 
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Dropout(0.25), nn.Linear(16, 2))
@@ -61,6 +65,13 @@ def main() -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         if dies and trainer.step == int(at) and where == "hang":
             os.kill(os.getpid(), signal.SIGSTOP)
+        if (
+            dies
+            and trainer.step == int(at)
+            and where == "redo"
+            and tandem.world().world_size < size
+        ):
+            os.kill(os.getpid(), signal.SIGKILL)
         return loss
 
     trainer = tandem.Trainer(
