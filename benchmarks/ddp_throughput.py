@@ -130,11 +130,11 @@ class _Commit:
         self.step = 0
 
     def __call__(self) -> None:
-        from tandem.checkpoint.rng import capture_rng_state
+        from tandem.checkpoint.rng import compact_rng_state
         from tandem.recovery import encode
 
-        value = {
-            "rng": capture_rng_state(),
+        value = {  # what a Trainer's commit carries (tandem.train.in_memory)
+            "rng": compact_rng_state(),
             "epoch_loss": [0.5, 8],
             "window": {"sums": [0.5, 8, 0, 0]},
         }

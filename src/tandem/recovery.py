@@ -30,6 +30,13 @@ then goes on by itself:
    commit). So the run ends where "train to the failed step, save, resume at the
    new size" ends, bitwise.
 
+A rank cut off from the store (a partition, or the store's node down: its heartbeat's store
+calls go unanswered for ``heartbeat_timeout``; a watchdog thread notices, since such a call
+waits rather than fails) stops with a :class:`MembershipError` that says so
+(:func:`cut_off_message`), and exits one heartbeat timeout later if it is blocked where the
+error cannot reach it. The old group of a re-form is abandoned, not destroyed: its abort runs on
+a thread of its own, since Gloo's waits for work blocked on a peer that only silence tells gone.
+
 Without ``--recover in-memory`` (or with one process) :class:`Run` is a plain DDP loop: the
 same steps, no store traffic.
 
@@ -53,13 +60,17 @@ from __future__ import annotations
 
 import atexit
 import base64
+import contextlib
+import ctypes
 import gc
 import json
 import logging
 import os
+import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sized
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping, Sized
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -72,7 +83,7 @@ from torch.utils.data import Dataset
 from torch.utils.data._utils.collate import default_collate
 
 from tandem._dist import group_rank, group_size, initialized
-from tandem.checkpoint.rng import capture_rng_state, restore_rng_state
+from tandem.checkpoint.rng import compact_rng_state, expand_rng_state, restore_rng_state
 from tandem.data.sampler import DistributedSampler
 from tandem.doctor import mismatch, records
 from tandem.files import write_atomic
@@ -152,6 +163,9 @@ class Membership:
         self.members = list(members)
         self.generation = 0
         self.heartbeat_timeout = heartbeat_timeout
+        # Keys of steps every member is past, deleted by the heartbeat thread (:meth:`tidy`):
+        # off the step's path.
+        self.stale: deque[str] = deque()
 
     @property
     def rank(self) -> int:
@@ -225,10 +239,16 @@ class Membership:
         if _text(decided) != "ok":
             raise _Lost(f"a member left during the commit of step {step}")
         if step >= 2:  # every member is past the commit before the last one: tidy it
-            old = self.key(f"gen{self.generation}", "commit", step - 2, self.me)
-            self.store.delete_key(old)
+            self.stale.append(self.key(f"gen{self.generation}", "commit", step - 2, self.me))
             if self.rank == 0:
-                self.store.delete_key(self.key(f"gen{self.generation}", "outcome", step - 2))
+                self.stale.append(self.key(f"gen{self.generation}", "outcome", step - 2))
+
+    def tidy(self, store: dist.Store | None = None) -> None:
+        """Delete the keys of steps every member is past (the heartbeat thread calls it, with
+        its own store client; without one, on this thread's)."""
+        store = store or self.store
+        while self.stale:
+            store.delete_key(self.stale.popleft())
 
     def committed_values(
         self, step: int, generation: int | None = None, members: list[int] | None = None
@@ -301,21 +321,55 @@ class _Heartbeat(threading.Thread):
         self.store = _job_store()
         self.stopped = threading.Event()
         self.lock = threading.Lock()  # held by a re-form: no stale verdict lands after it
+        #: Why this rank stops, once the store stopped answering (:func:`cut_off_message`).
+        self.cut_off: str | None = None
+        self._answered = time.monotonic()  # the end of the last beat whose calls all returned
+        self._once = threading.Lock()
 
     def run(self) -> None:
+        # A store call on a cut link waits for an answer that never comes (the client's
+        # timeout does not bound it): a watchdog notices the silence instead.
+        threading.Thread(target=self._watch, name="tandem-heartbeat-watchdog", daemon=True).start()
         key = self.members.key("hb", self.members.me)
         while not self.stopped.is_set():
             try:
                 self.store.set(key, repr(time.time()))
+                self.members.tidy(self.store)
                 with self.lock:
                     gone = self.members.gone(self.store)
                     if gone and mismatch.failed is None:
                         mismatch.fail(
                             f"rank(s) {sorted(gone)} of the job left", _Lost, wait_for_others=False
                         )
-            except Exception:  # the store is gone: the job is ending
+                self._answered = time.monotonic()
+            except Exception as error:  # the connection broke: the store's node is down
+                if not self.stopped.is_set():  # else the loop is done and the job ending
+                    self._cut_off(str(error).splitlines()[0] if str(error) else repr(error))
                 return
             self.stopped.wait(_BEAT_S)
+
+    def _watch(self) -> None:
+        """Cut off once a beat's store calls have not returned for a heartbeat timeout: the
+        others count this rank as silent after as long."""
+        timeout = self.members.heartbeat_timeout
+        while not self.stopped.wait(_BEAT_S / 2):
+            if time.monotonic() - self._answered > timeout:
+                self._cut_off(f"the store has not answered for {timeout:g} s")
+                return
+
+    def _cut_off(self, why: str) -> None:
+        """The store does not answer (a partition, or its node is down): this process's
+        collectives raise :class:`MembershipError` from now on; if it has not stopped within a
+        heartbeat timeout (blocked in a store call, which nothing interrupts), it exits here."""
+        if not self._once.acquire(blocking=False):
+            return
+        self.cut_off = cut_off_message(self.members.me)
+        log.error("%s (%s)", self.cut_off, why)
+        mismatch.reset()  # a member gone, seen before, is no longer the reason
+        mismatch.fail(self.cut_off, MembershipError, wait_for_others=False)
+        if not self.stopped.wait(self.members.heartbeat_timeout):
+            print(f"tandem.recovery.MembershipError: {self.cut_off}", file=sys.stderr, flush=True)
+            os._exit(1)
 
 
 class Recoverer:
@@ -381,7 +435,8 @@ class Recoverer:
         ``value``: this rank's own state as the step leaves it, which the rank that takes its
         place loads if this one is lost before the next commit (:meth:`committed_states`)."""
         if self.members is not None:
-            self.members.wait_commit(step, value)
+            with self._reachable():
+                self.members.wait_commit(step, value)
             self.last_commit = (step, self.members.generation, list(self.members.members))
 
     def committed_states(self) -> list[str]:
@@ -409,16 +464,19 @@ class Recoverer:
         for the launcher's mark or the silence to show). Always False when inactive."""
         if self.members is None:
             return False
+        if self._heartbeat is not None and self._heartbeat.cut_off:
+            raise MembershipError(self._heartbeat.cut_off) from error
         if isinstance(error, _Lost):
             return True
         deadline = time.monotonic() + self.members.heartbeat_timeout + 2 * _BEAT_S
         while time.monotonic() < deadline:
-            if self.members.gone() or _any_key(
-                self.members.store,
-                self.members.key(f"gen{self.members.generation + 1}", "join"),
-                self.members.members,
-            ):
-                return True
+            with self._reachable():
+                if self.members.gone() or _any_key(
+                    self.members.store,
+                    self.members.key(f"gen{self.members.generation + 1}", "join"),
+                    self.members.members,
+                ):
+                    return True
             time.sleep(0.02)
         log.error("a step failed and no member is gone: %s", error)
         return False
@@ -437,7 +495,7 @@ class Recoverer:
         """
         assert self.members is not None and self._heartbeat is not None
         noticed, now = time.monotonic(), time.time()
-        with self._heartbeat.lock:
+        with self._heartbeat.lock, self._reachable():
             dead, beats = self.members.dead(), self.members.last_beats()
             old_members = list(self.members.members)
             lost = self.members.reform()
@@ -478,6 +536,17 @@ class Recoverer:
             self.members.world_size,
         )
         return old_members
+
+    @contextlib.contextmanager
+    def _reachable(self) -> Iterator[None]:
+        """Store calls of the protocol: one that fails (it waited the client's timeout, or the
+        connection broke) means this rank is cut off from the store: a
+        :class:`MembershipError` that says so."""
+        try:
+            yield
+        except (dist.DistNetworkError, dist.DistStoreError) as error:
+            assert self.members is not None
+            raise MembershipError(cut_off_message(self.members.me)) from error
 
     def committed(self) -> None:
         """A step committed: a recovery in progress is done (its record written)."""
@@ -611,7 +680,7 @@ class Run:
         if self.recoverer.active and self.recoverer.last_commit is None:
             # The state the first step starts from (after a resume too) is the first one a
             # recovery can go back to.
-            self.recoverer.commit(self.step_count - 1, encode(capture_rng_state()))
+            self.recoverer.commit(self.step_count - 1, encode(compact_rng_state()))
         while True:
             batch = self._next_batch()
             self.optimizer.zero_grad(set_to_none=True)
@@ -621,7 +690,7 @@ class Run:
                 # With this rank's generators as the next step starts (the optimizer draws
                 # nothing): the rank that takes its place if it is lost before the next commit
                 # starts from them.
-                rng = encode(capture_rng_state()) if self.recoverer.active else ""
+                rng = encode(compact_rng_state()) if self.recoverer.active else ""
                 self.recoverer.commit(self.step_count, rng)
             except MembershipError:
                 raise
@@ -716,30 +785,72 @@ class Run:
         self._start_sampler()
         # New rank r continues rank r's generators of the last commit (as a resume at another
         # world size maps them): its own where it keeps its number.
-        restore_rng_state(decode(self.recoverer.committed_states()[self.rank]))
+        restore_rng_state(expand_rng_state(decode(self.recoverer.committed_states()[self.rank])))
 
 
 def _abandon_group() -> None:
     """Take down the default group without waiting for its collectives: one may be blocked on
-    a hung peer, and a plain ``destroy_process_group`` would wait for it forever. The backend
-    is aborted (its blocked work fails), then torch forgets the group."""
+    a hung peer, and a plain ``destroy_process_group`` would wait for it forever. Torch forgets
+    the groups at once (``_abort_process_group``'s bookkeeping) and the backends are aborted on
+    a thread of their own: a Gloo abort waits for its blocked work, which a peer cut off by the
+    network (no reset ever comes) holds until TCP gives up."""
     from torch.distributed import distributed_c10d as c10d
 
-    try:
+    world = c10d._world
+    tables = ("pg_map", "pg_names", "pg_group_ranks", "pg_backend_config", "pg_to_tag",
+              "tags_to_pg", "pg_coalesce_state")  # fmt: skip
+    known = all(hasattr(world, t) for t in tables) and hasattr(c10d, "_update_default_pg")
+    if not known or not hasattr(c10d, "_unregister_all_process_groups"):
+        # Another torch than those this bookkeeping was written for: its own abort (which
+        # waits for work blocked on a cut-off peer until TCP gives up).
+        log.warning("this torch keeps its groups otherwise: aborting the old group in place")
         c10d._abort_process_group()
-    except Exception as error:  # an abort the backend refuses: tear down the plain way
-        log.warning("aborting the old process group: %s", error)
-        dist.destroy_process_group()
+        return
+    groups = list(world.pg_names)
+    for group in groups:  # never freed, not even as the interpreter exits: the destructor of a
+        # group whose work waits on a peer cut off by the network would wait with it
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
+
+    def abort() -> None:
+        for group in groups:
+            try:
+                group.abort()
+            except Exception as error:  # an abort the backend refuses: it is forgotten anyway
+                log.warning("aborting an old process group: %s", error)
+
+    threading.Thread(target=abort, name="tandem-abort", daemon=True).start()
+    c10d._update_default_pg(None)
+    for table in tables:
+        getattr(world, table).clear()
+    c10d._unregister_all_process_groups()
+    world.group_count = 0
 
 
-def _job_store() -> dist.Store:
-    """A new client of the job's store (the launcher's, at MASTER_ADDR:MASTER_PORT)."""
+def _job_store(timeout: float = 60.0) -> dist.Store:
+    """A new client of the job's store (the launcher's, at MASTER_ADDR:MASTER_PORT) whose
+    calls give up after ``timeout`` seconds (a cut link makes a call wait, not fail)."""
     return dist.TCPStore(
         os.environ["MASTER_ADDR"],
         int(os.environ["MASTER_PORT"]),
         is_master=False,
-        timeout=timedelta(seconds=60),
+        timeout=timedelta(seconds=timeout),
         use_libuv=True,
+    )
+
+
+def cut_off_message(rank: int, environ: Mapping[str, str] = os.environ) -> str:
+    """Why a rank that cannot reach the job's store (``MASTER_ADDR:MASTER_PORT``) stops
+    (:class:`MembershipError`'s text).
+
+    Example::
+
+        >>> print(cut_off_message(3, {"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}))
+        rank 3: cut off from the job's store at 10.0.0.1:29500: this rank is on the side of a partition without the store, or the store's node is down; it stops
+    """  # noqa: E501
+    where = f"{environ.get('MASTER_ADDR')}:{environ.get('MASTER_PORT')}"
+    return (
+        f"rank {rank}: cut off from the job's store at {where}: this rank is on the side of a "
+        "partition without the store, or the store's node is down; it stops"
     )
 
 

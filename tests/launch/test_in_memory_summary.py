@@ -113,8 +113,8 @@ def test_the_dead_key_and_its_record():
 
 def test_more_than_one_node_is_refused():
     check_one_node("--nnodes 1", True)
-    with pytest.raises(LaunchError, match="--nnodes 2: only one node is supported"):
-        check_one_node("--nnodes 2", False)
+    with pytest.raises(LaunchError, match="--nnodes 1:2: only a fixed number of nodes"):
+        check_one_node("--nnodes 1:2", False)
 
 
 SHARDED = "the model is sharded across ranks (FullyShardedDataParallel)"

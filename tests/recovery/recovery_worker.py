@@ -18,6 +18,11 @@ STEP, WHERE =
   the next one;
 - ``hang``: SIGSTOP before its backward (alive, silent, its connections open).
 
+``--pause RANK:STEP`` (repeatable) makes launch rank RANK stop before its backward at step STEP
+(beating, its connections open): it writes ``OUT.paused-RANK`` (JSON: step, world size) and
+waits until ``OUT.go-RANK`` exists, then goes on (the partition tests cut its network
+meanwhile, so that the cut comes at a known step).
+
 Before it goes, the victim writes ``OUT.killed-RANK`` (JSON: where, step, the world size it was
 in, and for ``backward`` the buckets launched and in all). Every worker writes its process id
 to ``OUT.pid-RANK`` at its start (the test checks that none is left at the end).
@@ -34,6 +39,7 @@ import faulthandler
 import json
 import os
 import signal
+import time
 from pathlib import Path
 
 import torch
@@ -63,10 +69,16 @@ def kill_spec(text: str) -> tuple[int, int, str]:
     return int(rank), int(step), where
 
 
+def pause_spec(text: str) -> tuple[int, int]:
+    rank, step = text.split(":")
+    return int(rank), int(step)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
     parser.add_argument("--kill", type=kill_spec, action="append", default=[])
+    parser.add_argument("--pause", type=pause_spec, action="append", default=[])
     parser.add_argument("--stop-after", type=int, default=None)
     parser.add_argument("--resume", default=None)
     parser.add_argument("--epochs", type=int, default=1)
@@ -91,6 +103,17 @@ def main() -> None:
         # As a resume at another world size maps them: new rank r continues saved rank r's.
         restore_rng_state(saved["rng"][tandem.world().rank])
     mine = {where: step for rank, step, where in args.kill if rank == me}
+    pauses = {step for rank, step in args.pause if rank == me}
+
+    def pause() -> None:
+        """Wait for the test's go (it cuts this rank's network first) at a --pause step."""
+        if run.step_count not in pauses:
+            return
+        pauses.discard(run.step_count)
+        record = {"step": run.step_count, "world_size": run.world_size}
+        Path(f"{args.out}.paused-{me}").write_text(json.dumps(record))
+        while not Path(f"{args.out}.go-{me}").exists():
+            time.sleep(0.02)
 
     def lose(where: str, **details: int) -> None:
         """SIGKILL (SIGSTOP for ``hang``) this rank if it is to be lost here at this step."""
@@ -115,6 +138,7 @@ def main() -> None:
         loss = F.cross_entropy(model(x), y)
         lose("forward")
         lose("hang")  # hung: alive, silent, holding its sockets
+        pause()
         loss.backward()
         lose("commit")
         return loss.item()

@@ -159,3 +159,27 @@ def test_a_member_that_sees_a_peer_gone_after_every_key_was_set_still_commits(st
     one = Membership(client(store_address), 1, [0, 1, 2], heartbeat_timeout=1.0)
     one.store.delete_key(f"{PREFIX}gen0/commit/3/1")
     one.wait_commit(3)  # sees every key: commits, as rank 0 did
+
+
+def test_the_keys_of_steps_every_member_is_past_are_deleted_off_the_steps_path(store_address):
+    """A commit deletes nothing itself: it queues the keys two steps back, and tidy (the
+    heartbeat thread's) deletes them; the last two steps' keys stay (a recovery reads them)."""
+    members = [Membership(client(store_address), r, [0, 1], heartbeat_timeout=5.0) for r in (0, 1)]
+
+    def commit(m: Membership) -> None:
+        for step in range(4):
+            m.wait_commit(step, value=f"{m.me}@{step}")
+
+    threads = [threading.Thread(target=commit, args=(m,)) for m in members]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    probe = client(store_address)
+    keys = [f"{PREFIX}gen0/commit/{s}/{r}" for s in range(4) for r in (0, 1)]
+    assert all(probe.check([k]) for k in keys)  # nothing deleted on the step's path
+    for m in members:
+        m.tidy(probe)
+    assert [s for s in range(4) if probe.check([f"{PREFIX}gen0/commit/{s}/0"])] == [2, 3]
+    assert [s for s in range(4) if probe.check([f"{PREFIX}gen0/outcome/{s}"])] == [2, 3]
+    assert members[1].committed_values(3) == {0: "0@3", 1: "1@3"}

@@ -119,12 +119,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         choices=list(MODES),
         help="what a failed worker (non-zero exit, or a signal) costs. restart: every worker is "
         "stopped (and restarted from the last checkpoint, up to --max-restarts). in-memory: "
-        "one node only (--nnodes 1); the launcher hosts the job's store, announces the lost "
-        "rank there and the others go on without it (a script using tandem's in-memory "
-        "recovery re-forms and redoes the step); the job succeeds if one worker runs to "
-        "completion. A lost worker is not replaced; a loss the others cannot go on from in "
-        "memory (a sharded Trainer, a script without tandem's recovery) falls back to restart, "
-        "up to --max-restarts (default: restart; see docs/guides/recovery.md)",
+        "one node, or a fixed --nnodes N (no MIN:MAX); the launcher (node 0's) hosts the job's "
+        "store, each launcher announces its lost ranks there and the others go on without "
+        "them (a script using tandem's in-memory recovery re-forms and redoes the step; a side "
+        "of a partition without a majority stops); a node's launcher succeeds if one of its "
+        "workers runs to completion. A lost worker is not replaced; a loss the others cannot "
+        "go on from in memory (a sharded Trainer, a script without tandem's recovery) falls "
+        "back to restart, up to --max-restarts (with many nodes: the job ends on every node) "
+        "(default: restart; see docs/guides/recovery.md)",
     )
     flag(
         own,
@@ -311,8 +313,10 @@ def build_spec(args: argparse.Namespace) -> tuple[LaunchSpec, Meeting]:
     nnodes, meeting = _placement(args)
     if args.recover == "in-memory":
         most = parse_nnodes(args.nnodes)[1] if args.nnodes is not None else nnodes
-        one_node = meeting.backend == "local" and most == 1
-        check_one_node(f"--nnodes {args.nnodes or nnodes}", one_node)
+        # A fixed number of nodes: one, or --nnodes N with static rendezvous (node 0 hosts
+        # the store); an elastic MIN:MAX (or c10d) is refused.
+        fixed = meeting.backend in ("local", "static") and most == nnodes
+        check_one_node(f"--nnodes {args.nnodes or nnodes}", fixed)
         if not args.heartbeat_timeout > 0:
             raise LaunchError(f"--heartbeat-timeout {args.heartbeat_timeout:g} must be > 0")
     if args.max_restarts < 0:
@@ -402,6 +406,16 @@ def run_command(args: argparse.Namespace) -> int:
     if meeting.backend == "local" and spec.recover == "in-memory":
         # It hosts the store; the workers learn the heartbeat timeout from it.
         coordinator = InMemoryCoordinator(meeting.addr, meeting.port, args.heartbeat_timeout)
+    elif spec.recover == "in-memory":  # many nodes, static: node 0 hosts the store
+        assert meeting.node_rank is not None
+        coordinator = InMemoryCoordinator(
+            meeting.addr,
+            meeting.port or DEFAULT_MULTINODE_PORT,
+            args.heartbeat_timeout,
+            nnodes=spec.nnodes,
+            node_rank=meeting.node_rank,
+            join_timeout=meeting.timeout,
+        )
     elif meeting.backend == "local":
         coordinator = LocalCoordinator(meeting.addr, meeting.port)
     elif meeting.elastic is not None:

@@ -31,6 +31,17 @@ worker running while restarts remain. Each restart gets a fresh store
 ``--master-port`` if one was given), so the restarted workers see no key of the attempt
 before (dead marks, ``able``, generations) and recover in memory again from the start.
 
+Many nodes (a fixed ``--nnodes N``, static rendezvous; an elastic ``MIN:MAX`` is refused):
+node 0's launcher hosts the store at ``--master-addr:--master-port`` (reachable by the other
+nodes) and the others are clients of it, each call bounded (a call on a cut link waits for an
+answer that never comes: :class:`_RemoteStore`). Every launcher marks its own lost workers dead,
+fences its own workers that the survivors left out (:func:`members_key`), and ends when its
+workers have all exited; node 0 keeps the store until every other node is done or silent
+(:meth:`InMemoryCoordinator.finish`). A loss that cannot be recovered in memory ends the job on
+every node (:func:`fallback_key`, :data:`NO_RESTART`): restarting every node's workers together
+is not done. A launcher that loses the store (node 0 down, or this node cut off) ends with
+:func:`lost_store_message`, as torch's c10d store's loss ends a job.
+
 The survivors note each recovery in the report directory (``TANDEM_REPORT_DIR``) as
 ``tandem-recovery-*.json``; the exit summary joins them with the launcher's record
 (:func:`recovery_lines`), and one line for each fall-back to ``restart``.
@@ -49,8 +60,11 @@ import contextlib
 import json
 import math
 import os
+import queue
 import socket
-from collections.abc import Iterable, Mapping, Sequence
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -66,6 +80,7 @@ from tandem.launch.rendezvous import (
     LocalCoordinator,
     check_port_free,
     free_port,
+    warn_without_secret,
 )
 
 #: How a lost worker is handled: ``tandem run --recover``'s choices, the default first.
@@ -88,6 +103,13 @@ NOT_STARTED = (
 )
 #: The end of the launcher's line when it falls back.
 FALLS_BACK = "--recover in-memory falls back to restart"
+#: Why a job of many nodes ends instead (every node would have to restart its workers at once,
+#: with a fresh store on node 0 that the others find: not done yet).
+NO_RESTART = (
+    "--recover in-memory ends a job of many nodes here: it does not restart every node's "
+    "workers together; run the job again to resume from the last checkpoint, or use --recover "
+    "restart"
+)
 # How long the store's own operations (in the launcher) wait.
 _STORE_TIMEOUT = timedelta(seconds=60)
 
@@ -197,49 +219,213 @@ def death_record(failure: Failure) -> dict[str, Any]:
 
 
 def check_one_node(what: str, one_node: bool) -> None:
-    """``LaunchError`` unless ``one_node``: ``in-memory`` supports one node of fixed size so
-    far. ``what``: the job's size as the user gave it (``--nnodes 2``, ``--nnodes 1:2``).
+    """``LaunchError`` unless ``one_node``: ``in-memory`` supports a fixed number of nodes (one,
+    or ``--nnodes N`` with static rendezvous) but no elastic ``MIN:MAX`` and no ``--hostfile``
+    of many hosts. ``what``: the job's size as the user gave it (``--nnodes 1:2``).
 
     Example::
 
-        check_one_node(f"--nnodes {args.nnodes}", nnodes == 1 and most == 1)
+        check_one_node(f"--nnodes {args.nnodes}", most == nnodes)
     """
     if one_node:
         return
     raise LaunchError(
-        f"--recover in-memory with {what}: only one node is supported so far (--nnodes 1, "
-        "every worker on this host); use --recover restart (the default) for many nodes or "
-        "an elastic MIN:MAX"
+        f"--recover in-memory with {what}: only a fixed number of nodes is supported (--nnodes "
+        "N with --node-rank, --master-addr and --master-port on each node; one node by "
+        "default); use --recover restart (the default) for an elastic MIN:MAX or a --hostfile"
     )
 
 
-class InMemoryCoordinator(LocalCoordinator):
-    """One node whose launcher hosts the job's TCPStore, which outlives any worker.
+def fallback_key(environ: Mapping[str, str] = os.environ) -> str:
+    """The store key under which a launcher of a job of many nodes says why the job ends on
+    every node (a loss that cannot be recovered in memory): the others read it and stop their
+    workers.
 
-    ``begin`` starts the store (on loopback only where the address is a loopback one, so no
-    other host can reach its keys) on ``port``, or on a port the kernel picks; the attempt's
-    environment makes every worker a client of it. A restart (an attempt after the first:
-    the fall-back to ``restart``) closes the store of the attempt before and starts a fresh
-    one, so the restarted workers see none of its keys. ``report_failure`` announces a lost rank
-    under :func:`dead_key`; ``able`` reads what the workers said under :func:`able_key`.
-    ``close`` (at the launcher's end, after every worker) stops the store.
+    Example::
+
+        >>> fallback_key({})
+        'tandem/recover/launcher/ended'
+    """
+    return f"tandem/{key_scope(environ)}recover/launcher/ended"
+
+
+def node_key(node: int, name: str, environ: Mapping[str, str] = os.environ) -> str:
+    """A launcher's own store key (``name``: ``joined``, ``beat``, ``done``) for ``node``.
+
+    Example::
+
+        >>> node_key(1, "done", {})
+        'tandem/recover/launcher/node1/done'
+    """
+    return f"tandem/{key_scope(environ)}recover/launcher/node{node}/{name}"
+
+
+def lost_store_message(where: str, error: BaseException | str) -> str:
+    """What a launcher of many nodes says when it cannot reach the job's store any more.
+
+    Example::
+
+        >>> print(lost_store_message("10.0.0.1:29500", "Connection reset by peer"))
+        lost the job's store at 10.0.0.1:29500 (node 0's `tandem run`): node 0 is down, or this node is cut off from it (a partition); as with torch's c10d store, the job cannot go on without it: this node's workers are stopped (Connection reset by peer)
+    """  # noqa: E501
+    first = str(error).splitlines()[0] if str(error) else type(error).__name__
+    return (
+        f"lost the job's store at {where} (node 0's `tandem run`): node 0 is down, or this "
+        "node is cut off from it (a partition); as with torch's c10d store, the job cannot go "
+        f"on without it: this node's workers are stopped ({first})"
+    )
+
+
+class _RemoteStore:
+    """A client of node 0's store whose failures are a LaunchError that says what they mean
+    (:func:`lost_store_message`): a broken connection (node 0 gone), or a call unanswered for
+    ``timeout`` seconds (a cut link: the client's own timeout does not bound a call waiting
+    for an answer, so each call runs on a thread of this client's and is waited for here)."""
+
+    def __init__(self, store: Any, where: str, timeout: float) -> None:
+        self._store, self._where, self._timeout = store, where, timeout
+        self._calls: queue.Queue[tuple[Callable[[], Any], list[Any], threading.Event]] = (
+            queue.Queue()
+        )
+        self._broken: str | None = None
+        threading.Thread(target=self._serve, name="tandem-store-client", daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            call, result, done = self._calls.get()
+            try:
+                result.append((True, call()))
+            except Exception as exc:
+                result.append((False, exc))
+            done.set()
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self._store, name)
+
+        def call(*args: Any) -> Any:
+            if self._broken is not None:
+                raise LaunchError(lost_store_message(self._where, self._broken))
+            result: list[Any] = []
+            done = threading.Event()
+            self._calls.put((lambda: method(*args), result, done))
+            if not done.wait(self._timeout):
+                self._broken = f"no answer within {self._timeout:g} s"
+                raise LaunchError(lost_store_message(self._where, self._broken))
+            ok, value = result[0]
+            if ok:
+                return value
+            if isinstance(value, RuntimeError):  # torch's DistNetworkError and DistStoreError
+                self._broken = str(value).splitlines()[0] if str(value) else repr(value)
+                raise LaunchError(lost_store_message(self._where, value)) from value
+            raise value
+
+        return call
+
+
+class InMemoryCoordinator(LocalCoordinator):
+    """The launcher's side of the job's TCPStore, which outlives any worker.
+
+    One node (``nnodes`` 1): ``begin`` starts the store (on loopback only where the address is
+    a loopback one, so no other host can reach its keys) on ``port``, or on a port the kernel
+    picks; the attempt's environment makes every worker a client of it. A restart (an attempt
+    after the first: the fall-back to ``restart``) closes the store of the attempt before and
+    starts a fresh one, so the restarted workers see none of its keys.
+
+    Many nodes (``nnodes`` N, static rendezvous): node 0's launcher hosts the store at ``addr``
+    (its address, which the others reach) and ``port``; every other launcher is a client of it,
+    whose calls give up after ``store_timeout`` (a cut link makes a call wait, not fail) with a
+    LaunchError (:func:`lost_store_message`). ``begin`` waits (``join_timeout``) until every
+    node's launcher is there; :meth:`beat` shows this launcher alive, :meth:`end_job` and
+    :meth:`ended` carry a job-wide end (a fall-back) to every node, and :meth:`finish` says this
+    node is done; node 0 returns from it only once every other node is done or silent, so the
+    store outlives every worker that still uses it. There is one attempt: no restart.
+
+    ``report_failure`` announces a lost rank under :func:`dead_key`; ``able`` reads what the
+    workers said under :func:`able_key`. ``close`` (at the launcher's end, after every worker)
+    stops the store (node 0) or drops the client.
     """
 
-    def __init__(self, addr: str, port: int | None, heartbeat_timeout: float = 10.0) -> None:
+    def __init__(
+        self,
+        addr: str,
+        port: int | None,
+        heartbeat_timeout: float = 10.0,
+        *,
+        nnodes: int = 1,
+        node_rank: int = 0,
+        join_timeout: float = 900.0,
+    ) -> None:
         super().__init__(addr, port)
         self.store: Any = None
         self.heartbeat_timeout = heartbeat_timeout
+        self.nnodes, self.node_rank, self.join_timeout = nnodes, node_rank, join_timeout
+        # A call to node 0's store that takes this long means it is gone or cut off: longer
+        # than the workers' own limit (the heartbeat timeout), so that they say it first.
+        self.store_timeout = max(5.0, 2 * heartbeat_timeout)
+        self._beats = 0.0  # when this launcher last beat (monotonic)
+        self._seen: dict[int, tuple[int, float]] = {}  # node -> its beat count, when it moved
+
+    @property
+    def many(self) -> bool:
+        """A job of many nodes."""
+        return self.nnodes > 1
 
     def begin(self, attempt: int) -> Attempt:
-        self.close()  # the attempt before's: its workers are stopped, its keys go with it
-        self.store, port = _host_store(self.addr, self.port)
         env = {
             AGENT_STORE_VARIABLE: "True",
             ROUND_VARIABLE: "0",  # a fresh store each attempt: tandem.init meets in round 0
             RECOVER_VARIABLE: "in-memory",
             HEARTBEAT_VARIABLE: f"{self.heartbeat_timeout:g}",
         }
+        if self.many:
+            if attempt:
+                raise LaunchError("--recover in-memory with many nodes does not restart")
+            self._join()
+            return Attempt(self.addr, self.where[1], env, self.node_rank, self.nnodes, attempt)
+        self.close()  # the attempt before's: its workers are stopped, its keys go with it
+        self.store, port = _host_store(self.addr, self.port)
         return Attempt(self.addr, port, env, 0, 1, attempt)
+
+    @property
+    def where(self) -> tuple[str, int]:
+        """The store's address and port (many nodes)."""
+        assert self.port is not None
+        return self.addr, self.port
+
+    def _join(self) -> None:
+        """Host the store (node 0) or connect to it, and wait for every node's launcher."""
+        from torch.distributed import TCPStore
+
+        addr, port = self.where
+        if self.node_rank == 0:
+            self.store, _ = _host_store(addr, port)
+            warn_without_secret(key_scope(), addr, port)
+        else:
+            try:
+                client = TCPStore(addr, port, None, False, timedelta(seconds=self.join_timeout))
+            except RuntimeError as exc:
+                raise LaunchError(
+                    f"node {self.node_rank} could not reach node 0's store at {addr}:{port} "
+                    f"within {self.join_timeout:.0f} s: is node 0's `tandem run` started with "
+                    f"--master-addr {addr} --master-port {port}, and is that port reachable "
+                    f"from this host? ({exc})"
+                ) from exc
+            self.store = _RemoteStore(client, f"{addr}:{port}", self.store_timeout)
+        self.store.set(node_key(self.node_rank, "joined"), "1")
+        deadline = time.monotonic() + self.join_timeout
+        while True:
+            keys = [node_key(n, "joined") for n in range(self.nnodes)]
+            missing = [n for n, key in enumerate(keys) if not self.store.check([key])]
+            if not missing:
+                return
+            if time.monotonic() > deadline:
+                raise LaunchError(
+                    f"node rank(s) {missing} of --nnodes {self.nnodes} never joined the job's "
+                    f"store at {addr}:{port} within {self.join_timeout:.0f} s: start `tandem run "
+                    f"--nnodes {self.nnodes} --node-rank N --master-addr {addr} --master-port "
+                    f"{port} --recover in-memory ...` on each of them"
+                )
+            time.sleep(0.05)
 
     def report_failure(self, round: int, failure: Failure) -> None:
         if self.store is not None:
@@ -251,6 +437,12 @@ class InMemoryCoordinator(LocalCoordinator):
         if self.store is None or not self.store.check([key]):
             return None
         return [int(r) for r in json.loads(self.store.get(key))]
+
+    def dead(self, ranks: Iterable[int]) -> set[int]:
+        """Of ``ranks``, those some launcher marked dead (:func:`dead_key`)."""
+        if self.store is None:
+            return set()
+        return {r for r in ranks if self.store.check([dead_key(r)])}
 
     def able(self, ranks: Iterable[int]) -> dict[int, str | None]:
         """What each of ``ranks`` set under :func:`able_key`: ``"1"``, ``"no: <reason>"``, or
@@ -265,8 +457,58 @@ class InMemoryCoordinator(LocalCoordinator):
                 said[rank] = value.decode(errors="replace") if isinstance(value, bytes) else value
         return said
 
+    def beat(self) -> None:
+        """Many nodes: show this launcher alive (every half second at most)."""
+        now = time.monotonic()
+        if self.many and self.store is not None and now - self._beats >= 0.5:
+            self.store.add(node_key(self.node_rank, "beat"), 1)
+            self._beats = now
+
+    def end_job(self, why: str) -> str:
+        """Many nodes: end the job on every node, saying ``why``; the first reason stays and is
+        returned."""
+        return _text(self.store.compare_set(fallback_key(), "", why)) or why
+
+    def ended(self) -> str | None:
+        """Many nodes: why a launcher ended the job on every node (:meth:`end_job`), or None."""
+        if not self.many or self.store is None or not self.store.check([fallback_key()]):
+            return None
+        return _text(self.store.get(fallback_key()))
+
+    def finish(self, round: int, stopped: Callable[[], bool] = lambda: False) -> None:
+        """Many nodes: this node's workers have all exited. Node 0 (the store's host) waits
+        until every other node is done too, or silent (its launcher's beat has not moved for
+        ``store_timeout``: dead, or cut off), so no worker loses the store while it runs."""
+        if not self.many or self.store is None:
+            return None
+        self.store.set(node_key(self.node_rank, "done"), "1")
+        if self.node_rank != 0:
+            return None
+        waiting = set(range(1, self.nnodes))
+        while waiting and not stopped():
+            for node in sorted(waiting):
+                if self.store.check([node_key(node, "done")]) or self._silent(node):
+                    waiting.discard(node)
+            time.sleep(0.05)
+        return None
+
+    def _silent(self, node: int) -> bool:
+        """Whether ``node``'s launcher beat has not moved for ``store_timeout`` (on this
+        launcher's clock: no clocks compared)."""
+        count = int(self.store.add(node_key(node, "beat"), 0))
+        now = time.monotonic()
+        seen = self._seen.get(node)
+        if seen is None or seen[0] != count:
+            self._seen[node] = (count, now)
+            return False
+        return now - seen[1] > self.store_timeout
+
     def close(self) -> None:
         self.store = None  # the server stops with its last reference
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else value
 
 
 def _host_store(addr: str, port: int | None) -> tuple[Any, int]:
@@ -349,6 +591,7 @@ class Fallback:
     unable: Mapping[int, str] = field(default_factory=dict)
     restart: int = 0
     max_restarts: int = 0
+    nodes: int = 1  # the job's: with many, the job ends on every node (no restart)
 
     @property
     def at(self) -> float:
@@ -376,6 +619,8 @@ def fallback_summary(fallback: Fallback) -> str:
         text += f"{cannot} ({why_unable(fallback.unable)}): "
     else:
         text += "no worker is left to go on in memory: "
+    if fallback.nodes > 1:
+        return f"{text}stopping every worker on every node ({NO_RESTART})"
     if fallback.restart:
         return (
             f"{text}restarting every worker from the last checkpoint (restart "
@@ -403,6 +648,8 @@ def fallback_line(fallback: Fallback, started: float) -> str:
         text += f"not recoverable in memory ({why_unable(fallback.unable, ranks=True)}): "
     else:
         text += "no worker left to go on in memory: "
+    if fallback.nodes > 1:
+        return f"{text}the job ended on every node (no restart with many nodes)"
     if fallback.restart:
         return (
             f"{text}every worker restarted (restart {fallback.restart} of "

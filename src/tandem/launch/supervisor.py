@@ -20,12 +20,15 @@ Per attempt:
    against ``--max-restarts``, as in torch's agent); each round may give this node another
    rank and the job another size.
 
-Under ``--recover in-memory`` (one node, ``in_memory.py``) a worker that fails is recorded and
-announced in the job's store (which the launcher hosts), the others go on, and the job ends
+Under ``--recover in-memory`` (``in_memory.py``; one node, or a fixed number of nodes) a worker
+that fails is recorded and announced in the job's store (which the launcher, node 0's, hosts),
+the others go on, and the job ends
 when every worker has exited: successfully if one ran to completion. Unless a worker still
 running did not say it recovers in memory (a sharded Trainer, a plain script): then the job
 falls back to ``restart`` (every worker stopped, and started again with a fresh store while
-``--max-restarts`` allows). The exit summary lists each recovery and fall-back.
+``--max-restarts`` allows; with many nodes the job ends on every node instead). Each node's
+launcher watches its own workers; node 0's hosts the store until the others are done, and a
+launcher that loses the store ends. The exit summary lists each recovery and fall-back.
 
 SIGINT, SIGTERM and SIGUSR1 sent to the launcher are passed to every worker.
 
@@ -318,15 +321,18 @@ class Supervisor:
             placement = coordinator.begin(attempt)  # a fresh store each attempt
             began = time.time()
             self._start(attempt, restarts, placement)
-            lost, fallback = self._in_memory_attempt(coordinator, restarts)
+            lost, fallback, ended_by = self._in_memory_attempt(coordinator, restarts)
             ended = time.time()
             if self.stop_signal is not None:
                 return self._stopped(self.stop_signal, ended)
-            if fallback is not None:
+            if fallback is not None or ended_by is not None:
                 self._stop_all(signal.SIGTERM, self.spec.grace_s)
+            if fallback is not None:
                 self._say_failure(fallback.lost[0], began)
             for w in self.workers:
                 w.drained_tail()
+            # Many nodes: node 0 hosts the store until every other node is done with it.
+            coordinator.finish(0, lambda: self.stop_signal is not None)
             reports = recovery_reports(self.reports, since=began, run_id=self.spec.run_id)
             lines += recovery_lines(lost, reports, started, fallback, first=len(lines) + 1)
             if fallback is not None and fallback.restart:
@@ -335,32 +341,57 @@ class Supervisor:
                 continue
             for line in lines:
                 _say(line)
+            if ended_by is not None:
+                _say(f"another node ended the job; this node's workers were stopped: {ended_by}")
+                self._say_checkpoint(ended)
+                return 1
             if fallback is not None:
                 self._say_checkpoint(ended)
                 return fallback.lost[0].exit_code()
             if len(lost) < len(self.workers):  # one ran to completion; the rest were recovered
                 return 0
             failure = lost[0]
-            _say(
-                f"every worker failed ({len(lost)} of {len(self.workers)}): no survivor was left "
-                "to go on (--recover in-memory)"
-            )
+            if coordinator.many:
+                _say(
+                    f"every worker of this node failed ({len(lost)} of {len(self.workers)}); "
+                    "the other nodes' workers go on without them if they hold a majority of "
+                    "the job (--recover in-memory)"
+                )
+            else:
+                _say(
+                    f"every worker failed ({len(lost)} of {len(self.workers)}): no survivor was "
+                    "left to go on (--recover in-memory)"
+                )
             self._say_failure(failure, began)
             self._say_checkpoint(ended)
             return failure.exit_code()
 
     def _in_memory_attempt(
         self, coordinator: InMemoryCoordinator, restarts: int
-    ) -> tuple[list[Failure], Fallback | None]:
+    ) -> tuple[list[Failure], Fallback | None, str | None]:
         """Watch one attempt's workers until every one has exited, a signal, or a fall-back to
         ``restart`` (the workers then still running are left to the caller to stop). The
-        workers lost while the others went on, and the fall-back if one came."""
+        workers lost while the others went on, the fall-back if one came, and (many nodes) why
+        another node ended the job, if it did.
+
+        With many nodes every launcher watches its own workers: it marks its own lost ones dead
+        in node 0's store and fences its own that the survivors left out; a loss that cannot be
+        recovered in memory ends the job on every node (:meth:`InMemoryCoordinator.end_job`),
+        with no restart. A store that cannot be reached (node 0 down, or this node cut off) is
+        a LaunchError that ends this launcher (its workers are killed on the way out)."""
         running = list(self.workers)
         lost: list[Failure] = []
         completed = 0
         generation = 1
         fenced: set[int] = set()
+        many = coordinator.many
+        everyone = range(self.spec.world_size)
         while running and self.stop_signal is None:
+            if many:
+                coordinator.beat()
+                said = coordinator.ended()
+                if said is not None:
+                    return lost, None, said
             # The survivors decided a new membership: a worker left out of it (hung, or cut
             # off) is killed, so that it can neither hold their collectives nor come back
             # into a job that went on without it.
@@ -391,10 +422,18 @@ class Supervisor:
                 failed.append((worker, failure))
             if failed:
                 # Who goes on must have said it recovers in memory; with nobody left, a
-                # restart (while any is left) is what --recover restart would do.
-                why = unable(coordinator.able(w.rank for w in running)) if running else {}
-                if why or (not running and not completed and restarts < self.spec.max_restarts):
-                    left = restarts < self.spec.max_restarts
+                # restart (while any is left) is what --recover restart would do. With many
+                # nodes, who goes on is every rank of the job not known dead, and nobody
+                # left here is no reason to stop the others.
+                if many:
+                    gone = {f.rank for f in lost} | {f.rank for _, f in failed}
+                    gone |= coordinator.dead(r for r in everyone if r not in gone)
+                    why = unable(coordinator.able(r for r in everyone if r not in gone))
+                else:
+                    why = unable(coordinator.able(w.rank for w in running)) if running else {}
+                nobody = not many and not running and not completed
+                if why or (nobody and restarts < self.spec.max_restarts):
+                    left = restarts < self.spec.max_restarts and not many
                     for worker, _ in failed:
                         worker.signal(signal.SIGKILL)  # its children, in its process group
                     fallback = Fallback(
@@ -402,9 +441,13 @@ class Supervisor:
                         why,
                         restart=restarts + 1 if left else 0,
                         max_restarts=self.spec.max_restarts,
+                        nodes=self.spec.nnodes,
                     )
-                    _say(fallback_summary(fallback))
-                    return lost, fallback
+                    summary = fallback_summary(fallback)
+                    if many:  # every other node stops its workers too
+                        coordinator.end_job(summary.removeprefix("tandem run: "))
+                    _say(summary)
+                    return lost, fallback, None
                 for worker, failure in failed:
                     coordinator.report_failure(0, failure)  # the survivors: now
                     worker.signal(signal.SIGKILL)  # its children, still in its process group
@@ -414,7 +457,7 @@ class Supervisor:
                     _say(lost_summary(failure, len(running)))
             if running:
                 time.sleep(0.02)
-        return lost, None
+        return lost, None, None
 
     def _start(self, attempt: int, restarts: int, placement: Attempt) -> None:
         spec = self.spec

@@ -1,0 +1,250 @@
+"""`tandem run --recover in-memory` on many nodes: a cut link, partitions, the store's node down.
+
+Each node is a network namespace behind one switch (:mod:`tests.launch.netns_switch`), running
+its own `tandem run --nnodes N --node-rank i --recover in-memory --heartbeat-timeout 2` of one
+rank of the recovery tests' worker (:mod:`tests.recovery.recovery_worker`); node 0's launcher
+hosts the job's store. The victims pause before their backward at a known step (``--pause``)
+while the test cuts their network, then go on into it. Proves:
+
+- a link down (3 nodes, node 2's link cut at the switch): nodes 0 and 1 (2 of the 3 ranks, the
+  store's side) leave rank 2 out and go on: they exit 0, and the run ends **bitwise** equal to
+  its oracle (trained to the step at 3 ranks, saved, resumed at 2: the recovery tests'); the
+  recovery (detection included) takes at most the issue's 5 s; rank 2 stops with the error
+  that names the partition, and node 2's launcher ends non-zero saying it lost the store;
+- a partition 3|1 (4 nodes, node 3 split off at the switch): the same, at 4 ranks then 3;
+- a partition 2|2 (4 nodes): no side holds a majority: ranks 0 and 1 (the store's side) stop
+  saying so, ranks 2 and 3 stop saying they are cut off from the store, every launcher ends
+  non-zero, none hangs;
+- node 0 (the store's host) dying: the other node's launcher ends within seconds, saying it
+  lost the job's store;
+- every process accounted for: no worker, nor anything in its process group, nor any launcher
+  is left in any namespace.
+
+Skipped, with the reason, where network namespaces or a bridge cannot be made.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.launch.netns_switch import Switch, can_make_switch, switch
+from tests.launching import clean_env
+from tests.recovery.test_recovery import assert_equal_runs, leftovers, resumed
+
+pytestmark = [pytest.mark.launch, pytest.mark.xdist_group("recovery")]
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = "tests.recovery.recovery_worker"
+PORT = 29400  # node 0's namespace is brand new: nothing in it holds a port
+BEAT_S = 2.0
+# The issue's target for a link down, detection included.
+RECOVERED_WITHIN_S = 5.0
+CUT_OFF = "cut off from the job's store at {addr}:{port}: this rank is on the side of a partition"
+NO_MAJORITY = "without a majority this side of a partition stops"
+LOST_STORE = "lost the job's store at {addr}:{port}"
+
+
+@pytest.fixture
+def net_of(request) -> Iterator:
+    """``net_of(n)``: a switch of ``n`` nodes, removed at the end of the test."""
+    ok, reason = can_make_switch()
+    if not ok:
+        pytest.skip(reason)
+    with contextlib.ExitStack() as stack:
+        yield lambda n: stack.enter_context(switch(n))
+
+
+class Job:
+    """One `tandem run` per node, one rank each, the outputs in files."""
+
+    def __init__(self, net: Switch, out: Path, args: list[str]) -> None:
+        self.net, self.out = net, out
+        self.logs = [out.with_name(f"node{i}.log") for i in range(len(net.nodes))]
+        self.procs: list[subprocess.Popen] = []
+        for rank, (node, log) in enumerate(zip(net.nodes, self.logs, strict=True)):
+            env = {**clean_env(), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+            # The namespaces share the host's name, which may resolve to an address the other
+            # nodes cannot reach: Gloo uses the node's interface instead.
+            env["GLOO_SOCKET_IFNAME"] = node.interface
+            command = node.exec(
+                [
+                    sys.executable, "-m", "tandem.cli", "run",
+                    "--nnodes", str(len(net.nodes)), "--node-rank", str(rank),
+                    "--nproc-per-node", "1",
+                    "--master-addr", net.nodes[0].address, "--master-port", str(PORT),
+                    "--recover", "in-memory", "--heartbeat-timeout", f"{BEAT_S:g}",
+                    "-m", WORKER, str(out), *args,
+                ]
+            )  # fmt: skip
+            with log.open("w") as sink:
+                # A session of its own: stop() reaches the launcher and what it started.
+                started = subprocess.Popen(
+                    command, stdout=sink, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+                    start_new_session=True,
+                )  # fmt: skip
+                self.procs.append(started)
+
+    def text(self, node: int) -> str:
+        return self.logs[node].read_text()
+
+    def shown(self) -> str:
+        return "\n".join(
+            f"--- node {i} (exit {p.poll()}) ---\n{self.text(i)}" for i, p in enumerate(self.procs)
+        )
+
+    def paused(self, ranks: list[int], within: float = 90) -> None:
+        """Wait until every one of ``ranks`` paused (``--pause``)."""
+        deadline = time.monotonic() + within
+        while not all(self.out.with_name(f"{self.out.name}.paused-{r}").exists() for r in ranks):
+            if time.monotonic() > deadline or any(p.poll() is not None for p in self.procs):
+                pytest.fail(f"ranks {ranks} never paused\n{self.shown()}")
+            time.sleep(0.05)
+
+    def go(self, ranks: list[int]) -> None:
+        for r in ranks:
+            self.out.with_name(f"{self.out.name}.go-{r}").touch()
+
+    def finish(self, within: float) -> list[int]:
+        """Every launcher's exit status; fails the test if one runs past ``within``."""
+        deadline = time.monotonic() + within
+        while any(p.poll() is None for p in self.procs) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        running = [i for i, p in enumerate(self.procs) if p.poll() is None]
+        assert not running, f"node(s) {running} still running after {within} s\n{self.shown()}"
+        return [int(p.returncode) for p in self.procs]
+
+    def stop(self) -> None:
+        for p in self.procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+    def worker_pids(self) -> set[int]:
+        found = set()
+        for r in range(len(self.procs)):
+            path = self.out.with_name(f"{self.out.name}.pid-{r}")
+            if path.exists():
+                found.add(int(path.read_text()))
+        return found
+
+    def accounted_for(self) -> None:
+        """No worker (nor its process group) and no launcher (nor its session) is left."""
+        pids = self.worker_pids() | {p.pid for p in self.procs}
+        deadline = time.monotonic() + 5
+        while leftovers(pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert len(self.worker_pids()) == len(self.procs), self.shown()
+        assert not leftovers(pids), f"{leftovers(pids)}\n{self.shown()}"
+
+
+@contextlib.contextmanager
+def job(net: Switch, out: Path, args: list[str]) -> Iterator[Job]:
+    started = Job(net, out, args)
+    try:
+        yield started
+    finally:
+        started.stop()
+
+
+def _majority_goes_on(net: Switch, tmp_path: Path, cut: str, step: int = 3) -> None:
+    """The last node is cut off (``cut``: "link" or "split") at ``step``; the others hold a
+    majority, go on, and end as the oracle does."""
+    n = len(net.nodes)
+    victim = n - 1
+    out = tmp_path / "recovered.pt"
+    addr = net.nodes[0].address
+    with job(net, out, ["--pause", f"{victim}:{step}"]) as run:
+        run.paused([victim])
+        if cut == "link":
+            net.cut(victim)
+        else:
+            net.split([victim])
+        run.go([victim])
+        codes = run.finish(90)
+        run.accounted_for()
+    shown = run.shown()
+    assert codes[:victim] == [0] * victim, shown
+    assert codes[victim] != 0, shown
+    assert CUT_OFF.format(addr=addr, port=PORT) in run.text(victim), shown
+    assert LOST_STORE.format(addr=addr, port=PORT) in run.text(victim), shown
+    for node in range(victim):  # nobody on the majority's side was stopped or lost
+        assert "was lost" not in run.text(node), shown
+    assert f"recovery 1: rank {victim} (no exit seen by the launcher) lost at step {step}" in (
+        run.text(0)
+    ), shown
+
+    recovered = torch.load(out, weights_only=True)
+    (recovery,) = recovered["recoveries"]
+    assert recovery["lost"] == [victim] and recovery["step"] == step, recovery
+    assert recovery["members"] == list(range(victim)), recovery
+    # From the victim's last beat (the cut, within half a second) to the next committed step.
+    assert recovery["detected_s"] + recovery["recovered_s"] < RECOVERED_WITHIN_S, recovery
+    assert recovered["world_size"] == victim
+    assert_equal_runs(recovered, resumed(tmp_path / "oracle", n, victim, step, []))
+
+
+@pytest.mark.timeout(300)
+def test_a_link_down_leaves_the_cut_node_out_and_the_others_end_as_the_oracle(net_of, tmp_path):
+    (tmp_path / "oracle").mkdir()
+    _majority_goes_on(net_of(3), tmp_path, "link")
+
+
+@pytest.mark.timeout(300)
+def test_a_partition_3_1_lets_the_majority_go_on_and_stops_the_one(net_of, tmp_path):
+    (tmp_path / "oracle").mkdir()
+    _majority_goes_on(net_of(4), tmp_path, "split")
+
+
+@pytest.mark.timeout(200)
+def test_a_partition_2_2_stops_every_rank_naming_the_partition(net_of, tmp_path):
+    net = net_of(4)
+    out = tmp_path / "split.pt"
+    addr = net.nodes[0].address
+    with job(net, out, ["--pause", "2:2", "--pause", "3:2"]) as run:
+        run.paused([2, 3])
+        net.split([2, 3])
+        cut = time.monotonic()
+        run.go([2, 3])
+        codes = run.finish(60)
+        took = time.monotonic() - cut
+        run.accounted_for()
+    shown = run.shown()
+    assert all(code != 0 for code in codes), shown
+    for node in (0, 1):  # the store's side: 2 of the 4 ranks, no majority
+        assert NO_MAJORITY in run.text(node), shown
+        assert "every worker of this node failed" in run.text(node), shown
+    for node in (2, 3):  # the other side: cut off from the store
+        assert CUT_OFF.format(addr=addr, port=PORT) in run.text(node), shown
+        assert LOST_STORE.format(addr=addr, port=PORT) in run.text(node), shown
+    assert not out.exists(), "a side without a majority trained on"
+    assert took < 30, shown
+
+
+@pytest.mark.timeout(200)
+def test_the_store_nodes_death_ends_the_job_on_the_other_node(net_of, tmp_path):
+    net = net_of(2)
+    out = tmp_path / "store.pt"
+    addr = net.nodes[0].address
+    with job(net, out, ["--pause", "1:2"]) as run:
+        run.paused([1])
+        run.procs[0].send_signal(signal.SIGKILL)  # node 0's launcher: its worker dies with it
+        killed = time.monotonic()
+        run.procs[0].wait()
+        codes = run.finish(30)
+        took = time.monotonic() - killed
+        run.accounted_for()
+    shown = run.shown()
+    assert codes[1] == 2, shown
+    assert LOST_STORE.format(addr=addr, port=PORT) in run.text(1), shown
+    assert "as with torch's c10d store, the job cannot go on without it" in run.text(1), shown
+    assert took < 10, shown
