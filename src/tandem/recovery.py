@@ -83,10 +83,17 @@ from torch.utils.data import Dataset
 from torch.utils.data._utils.collate import default_collate
 
 from tandem._dist import group_rank, group_size, initialized
-from tandem.checkpoint.rng import compact_rng_state, expand_rng_state, restore_rng_state
+from tandem.checkpoint.rng import (
+    compact_rng_state,
+    derived_seed,
+    expand_rng_state,
+    restore_rng_state,
+    seed_rng,
+)
 from tandem.data.sampler import DistributedSampler
 from tandem.doctor import mismatch, records
 from tandem.files import write_atomic
+from tandem.job import join
 from tandem.job.secret import key_scope
 from tandem.parallel.adapters import model_state, optimizer_state
 from tandem.parallel.ddp import out_of_step
@@ -125,6 +132,7 @@ class Recovery:
     step: int  # the step redone
     detected_s: float | None  # from the launcher's record of the death to this rank noticing
     recovered_s: float | None = None  # from noticing to the next committed step
+    joined: list[int] = field(default_factory=list)  # replacements admitted (launch ranks)
     started: float = field(default=0.0, repr=False)  # monotonic, when noticed
 
     def record(self) -> dict[str, Any]:
@@ -135,6 +143,7 @@ class Recovery:
             "step": self.step,
             "detected_s": self.detected_s,
             "recovered_s": self.recovered_s,
+            "joined": self.joined,
         }
 
 
@@ -166,6 +175,10 @@ class Membership:
         # Keys of steps every member is past, deleted by the heartbeat thread (:meth:`tidy`):
         # off the step's path.
         self.stale: deque[str] = deque()
+        # Replacements that asked to join (the heartbeat thread counts them) and admitted.
+        self.joiners_seen = 0
+        self.admitted = 0
+        self.admits = False  # whether this loop can hand a replacement the state
 
     @property
     def rank(self) -> int:
@@ -209,8 +222,10 @@ class Membership:
     def gone(self, store: dist.Store | None = None) -> set[int]:
         return set(self.dead(store)) | self.silent(store)
 
-    def wait_commit(self, step: int, value: str = "1") -> None:
+    def wait_commit(self, step: int, value: str = "1") -> int:
         """Return once ``step`` commits; :class:`_Lost` if it does not (a member gone first).
+        Returns how many replacements have asked to join by then, if the members are to admit
+        them after this step (the outcome says so, the same on every member), else 0.
 
         Every member sets its key (``value``: what the others may need of it if it is lost
         later) and waits for every member's. Seeing every key is not enough to step on its own:
@@ -235,13 +250,40 @@ class Membership:
                 if self.gone() or _any_key(self.store, next_gen, self.members):
                     proposal = "ok" if self.store.check(keys) else "abort"
                     break
-        decided = self.store.compare_set(outcome, "", proposal)
-        if _text(decided) != "ok":
+        if proposal == "ok" and self.admits and self.joiners_seen > self.admitted:
+            proposal = f"grow:{self.joiners_seen}"  # admit them after this step
+        decided = _text(self.store.compare_set(outcome, "", proposal))
+        if decided == "abort":
             raise _Lost(f"a member left during the commit of step {step}")
         if step >= 2:  # every member is past the commit before the last one: tidy it
             self.stale.append(self.key(f"gen{self.generation}", "commit", step - 2, self.me))
             if self.rank == 0:
                 self.stale.append(self.key(f"gen{self.generation}", "outcome", step - 2))
+        return int(decided.removeprefix("grow:")) if decided.startswith("grow:") else 0
+
+    def grow(self, count: int) -> list[int]:
+        """Admit the replacements queued up to ``count`` (the commit's outcome said so): the
+        next generation is the members then the newcomers, in the order they asked; rank 0
+        writes it and each newcomer's admission. Returns the newcomers' launch ranks."""
+        newcomers = [
+            int(_text(self.store.get(self.key("joiner", n))))
+            for n in range(self.admitted + 1, count + 1)
+        ]
+        members, g = self.members + newcomers, self.generation + 1
+        if self.rank == 0:
+            self.store.set(self.key(f"gen{g}", "members"), json.dumps(members))
+            for r in newcomers:
+                admission = {
+                    "generation": g,
+                    "members": members,
+                    "admitted": count,
+                    "rank": members.index(r),
+                    "world_size": len(members),
+                    "prefix": self.key(f"gen{g}", "pg") + "/",
+                }
+                self.store.set(self.key("admit", r), json.dumps(admission))
+        self.members, self.generation, self.admitted = members, g, count
+        return newcomers
 
     def tidy(self, store: dist.Store | None = None) -> None:
         """Delete the keys of steps every member is past (the heartbeat thread calls it, with
@@ -335,6 +377,7 @@ class _Heartbeat(threading.Thread):
             try:
                 self.store.set(key, repr(time.time()))
                 self.members.tidy(self.store)
+                self.members.joiners_seen = int(self.store.add(self.members.key("joiners"), 0))
                 with self.lock:
                     gone = self.members.gone(self.store)
                     if gone and mismatch.failed is None:
@@ -395,21 +438,33 @@ class Recoverer:
         recoverer.committed()
     """
 
-    def __init__(self, heartbeat_timeout: float | None = None) -> None:
+    def __init__(self, heartbeat_timeout: float | None = None, admits: bool = False) -> None:
         self.members: Membership | None = None
         self._heartbeat: _Heartbeat | None = None
         self.recoveries: list[Recovery] = []
         self._pending: list[Recovery] = []  # re-formed, the redo not committed yet
         # The last commit: its step, generation and members (the states a recovery loads).
         self.last_commit: tuple[int, int, list[int]] | None = None
+        self.joined = False
         size = group_size()
         if size > 1 and enabled():
             timeout = heartbeat_timeout or float(
                 os.environ.get(HEARTBEAT_TIMEOUT_VARIABLE, DEFAULT_HEARTBEAT_TIMEOUT_S)
             )
             self.members = Membership(_job_store(), group_rank(), list(range(size)), timeout)
-            # The launcher recovers in memory only if every worker said it would.
+            self.joined = join.admitted is not None  # a replacement, admitted at a step
+            if join.admitted is not None:
+                me = join.joining()
+                assert me is not None
+                self.members.me, self.members.members = me, list(join.admitted["members"])
+                self.members.generation = int(join.admitted["generation"])
+                self.members.admitted = int(join.admitted["admitted"])
+            # The launcher recovers in memory only if every worker said it would, and starts a
+            # replacement only if every one admits it (hands it the state: Run does).
             self.members.store.set(self.members.key("able", self.members.me), ABLE)
+            self.members.admits = admits
+            if admits:
+                self.members.store.set(self.members.key("admits", self.members.me), ABLE)
             self._heartbeat = _Heartbeat(self.members)
             self._heartbeat.start()
             # Stopped before the interpreter exits: a daemon thread still inside the store's
@@ -430,14 +485,39 @@ class Recoverer:
     def world_size(self) -> int:
         return self.members.world_size if self.members is not None else group_size()
 
-    def commit(self, step: int, value: str = "1") -> None:
+    def commit(self, step: int, value: str = "1") -> int:
         """Commit ``step`` on every member or on none (:meth:`Membership.wait_commit`);
         ``value``: this rank's own state as the step leaves it, which the rank that takes its
-        place loads if this one is lost before the next commit (:meth:`committed_states`)."""
-        if self.members is not None:
-            with self._reachable():
-                self.members.wait_commit(step, value)
-            self.last_commit = (step, self.members.generation, list(self.members.members))
+        place loads if this one is lost before the next commit (:meth:`committed_states`).
+        Returns the count of replacements to admit after this step (:meth:`grow`), else 0."""
+        if self.members is None:
+            return 0
+        with self._reachable():
+            grow = self.members.wait_commit(step, value)
+        self.last_commit = (step, self.members.generation, list(self.members.members))
+        return grow
+
+    def grow(self, step: int, count: int, release: Callable[[], None]) -> list[int]:
+        """Admit the replacements queued up to ``count`` after step ``step`` (every member
+        calls it at the same step boundary): the group is formed anew with them appended;
+        ``release`` drops the caller's hold on the old group (as for :meth:`reform`). Returns
+        the newcomers' launch ranks. The caller then hands them the state (a collective the
+        newcomers join from their constructor)."""
+        assert self.members is not None and self._heartbeat is not None
+        started = time.monotonic()
+        with self._heartbeat.lock, self._reachable():
+            newcomers = self.members.grow(count)
+        g = self._form_group(release)
+        grown = Recovery(
+            generation=g, lost=[], members=list(self.members.members), step=step,
+            detected_s=None, joined=newcomers, started=started,
+        )  # fmt: skip
+        self._pending.append(grown)
+        log.warning(
+            "admitted replacement(s) %s after step %d: going on as rank %d of %d",
+            newcomers, step, self.members.rank, self.members.world_size,
+        )  # fmt: skip
+        return newcomers
 
     def committed_states(self) -> list[str]:
         """Every member's value of the last commit, in the order of the members then (new rank
@@ -504,20 +584,7 @@ class Recoverer:
         since = [float(dead[r]["at"]) if r in dead else beats.get(r) for r in lost]
         known = [s for s in since if s is not None]
         detected = now - max(known) if known else None
-        backend = dist.get_backend()
-        release()
-        records.clear()
-        _abandon_group()
-        gc.collect()
-        g = self.members.generation
-        dist.init_process_group(
-            backend,
-            store=dist.PrefixStore(self.members.key(f"gen{g}", "pg") + "/", _job_store()),
-            rank=self.members.rank,
-            world_size=self.members.world_size,
-            timeout=timedelta(seconds=max(60.0, 6 * self.members.heartbeat_timeout)),
-        )
-        reformed(self.members.rank, self.members.world_size)
+        g = self._form_group(release)
         self._pending.append(  # after another one whose redo this loss cut short
             Recovery(
                 generation=g,
@@ -547,6 +614,26 @@ class Recoverer:
         except (dist.DistNetworkError, dist.DistStoreError) as error:
             assert self.members is not None
             raise MembershipError(cut_off_message(self.members.me)) from error
+
+    def _form_group(self, release: Callable[[], None]) -> int:
+        """Leave the old group (``release`` first drops the caller's hold on it) and form the
+        current generation's over its key prefix of the job's store; the generation."""
+        assert self.members is not None
+        backend = dist.get_backend()
+        release()
+        records.clear()
+        _abandon_group()
+        gc.collect()
+        g = self.members.generation
+        dist.init_process_group(
+            backend,
+            store=dist.PrefixStore(self.members.key(f"gen{g}", "pg") + "/", _job_store()),
+            rank=self.members.rank,
+            world_size=self.members.world_size,
+            timeout=timedelta(seconds=max(60.0, 6 * self.members.heartbeat_timeout)),
+        )
+        reformed(self.members.rank, self.members.world_size)
+        return g
 
     def committed(self) -> None:
         """A step committed: a recovery in progress is done (its record written)."""
@@ -637,11 +724,13 @@ class Run:
         self.ddp_kwargs = dict(ddp_kwargs or {})
         self.step_count = 0
         self.epoch = 0
-        self.recoverer = Recoverer(heartbeat_timeout)
+        self.recoverer = Recoverer(heartbeat_timeout, admits=True)
         self.members = self.recoverer.members
         self.model: nn.Module = self._wrap()
         self._committed: dict[str, Any] | None = None  # the sampler after the last commit
         self._start_sampler()
+        if self.recoverer.joined:
+            self._take_over()
 
     # -- what a loop reads ----------------------------------------------------------------
 
@@ -680,7 +769,8 @@ class Run:
         if self.recoverer.active and self.recoverer.last_commit is None:
             # The state the first step starts from (after a resume too) is the first one a
             # recovery can go back to.
-            self.recoverer.commit(self.step_count - 1, encode(compact_rng_state()))
+            self._admit(self.recoverer.commit(self.step_count - 1, encode(compact_rng_state())))
+        grow = 0
         while True:
             batch = self._next_batch()
             self.optimizer.zero_grad(set_to_none=True)
@@ -691,7 +781,7 @@ class Run:
                 # nothing): the rank that takes its place if it is lost before the next commit
                 # starts from them.
                 rng = encode(compact_rng_state()) if self.recoverer.active else ""
-                self.recoverer.commit(self.step_count, rng)
+                grow = self.recoverer.commit(self.step_count, rng)
             except MembershipError:
                 raise
             except Exception as error:
@@ -708,6 +798,7 @@ class Run:
         self.step_count += 1
         self._committed = self.sampler.state_dict()
         self._after_commit()
+        self._admit(grow)
         return result
 
     # -- state ---------------------------------------------------------------------------------
@@ -774,13 +865,38 @@ class Run:
             if not self.finished:
                 self._start_sampler()
 
-    def _recover(self) -> None:
-        def release() -> None:
-            if self._ddp is not None:
-                self._ddp.reducer.release()
-            self._ddp, self.model = None, self.module
+    def _release(self) -> None:
+        """Let go of the old group's wrapper (its reducer's hooks first)."""
+        if self._ddp is not None:
+            self._ddp.reducer.release()
+        self._ddp, self.model = None, self.module
 
-        self.recoverer.reform(self.step_count, release)
+    def _admit(self, count: int) -> None:
+        """Admit the replacements the commit's outcome named (``count`` queued; every member
+        does it after the same step), hand them the run's state from rank 0, and commit the
+        new generation's start (which may name more)."""
+        while count:
+            self.recoverer.grow(self.step_count, count, self._release)
+            self.model = self._wrap()  # its constructor broadcasts rank 0's parameters
+            mine = {"optimizer": self.optimizer.state_dict(), "run": self.state_dict()}
+            dist.broadcast_object_list([mine if self.rank == 0 else None], src=0)
+            self._start_sampler()
+            count = self.recoverer.commit(self.step_count - 1, encode(compact_rng_state()))
+
+    def _take_over(self) -> None:
+        """A replacement, admitted: take the run's state from rank 0 (the parameters came with
+        the wrapper's constructor), start its generators where a resume at this world size
+        would (:func:`newcomer_seed`), and commit the new generation's start with the
+        members."""
+        state: list[Any] = [None]
+        dist.broadcast_object_list(state, src=0)
+        self.optimizer.load_state_dict(state[0]["optimizer"])
+        self.load_state_dict(state[0]["run"])
+        seed_rng(newcomer_seed(self.seed, self.step_count, self.rank))
+        self._admit(self.recoverer.commit(self.step_count - 1, encode(compact_rng_state())))
+
+    def _recover(self) -> None:
+        self.recoverer.reform(self.step_count, self._release)
         self.model = self._wrap()
         self._start_sampler()
         # New rank r continues rank r's generators of the last commit (as a resume at another
@@ -865,6 +981,18 @@ def declare_unable(reason: str) -> None:
     """
     if enabled() and group_size() > 1:
         _job_store().set(f"{PREFIX}able/{group_rank()}", f"no: {reason}")
+
+
+def newcomer_seed(seed: int, step: int, rank: int) -> int:
+    """The seed of the generators of a rank that a run had not before (a replacement admitted
+    after ``step`` as ``rank``; a resume at a larger world size does the same for its ranks
+    beyond the saved ones): Python's, NumPy's and torch's are seeded from it.
+
+    Example::
+
+        seed_rng(newcomer_seed(run.seed, run.step_count, tandem.world().rank))
+    """
+    return derived_seed("tandem.recovery.newcomer", seed, step, rank)
 
 
 def enabled() -> bool:

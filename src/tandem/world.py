@@ -22,7 +22,7 @@ from tandem.init_args import (
     export_master,
     store_address,
 )
-from tandem.job import checkin
+from tandem.job import checkin, join
 from tandem.job.checkin import meet, rendezvous_timeout_s
 from tandem.job.placement import (
     LOCAL_RANK_VARIABLE,
@@ -165,6 +165,13 @@ def init(
         announce_bad_environment(rank, world_size)
         raise
     device = _device(placement)
+    me = join.joining()
+    if me is not None:  # a replacement: the members admit it into the group they re-form
+        _current = _join(me, placement, device, backend, delta, meeting_s)
+        _owns_group = True
+        records.clear()
+        doctor.start()
+        return _current
     if placement.world_size == 1 and init_method is None and backend != "mpi":
         _current = _record(placement, None, device)
         return _current
@@ -212,6 +219,44 @@ def init(
     records.clear()
     doctor.start()
     return _current
+
+
+def _join(
+    me: int,
+    placement: Placement,
+    device: Any,
+    backend: str | None,
+    timeout: timedelta | None,
+    wait_s: float,
+) -> World:
+    """A replacement worker (``tandem run --recover in-memory --max-restarts``): wait in the
+    job's store until the members admit launch rank ``me`` at a step boundary, then form the
+    group with them (:mod:`tandem.job.join`). ``wait_s``: how long to wait at most, at least
+    ten minutes (the members admit it at their next step)."""
+    import torch
+    import torch.distributed as dist
+
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        is_master=False,
+        timeout=timedelta(seconds=max(wait_s, 600.0)),
+        use_libuv=True,
+    )
+    admitted = join.ask_to_join(store, me, timeout_s=max(wait_s, 600.0))
+    placement = override_placement(
+        placement, rank=admitted["rank"], world_size=admitted["world_size"]
+    )
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        backend or ("nccl" if device.type == "cuda" else "gloo"),
+        store=dist.PrefixStore(admitted["prefix"], store),
+        rank=placement.rank,
+        world_size=placement.world_size,
+        timeout=timeout,
+    )
+    return _from_group(placement)
 
 
 def world() -> World:

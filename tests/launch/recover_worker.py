@@ -22,6 +22,11 @@ value, or null for nothing at all (a plain script).
   3 (rank r after 0.2 r s).
 - `init VICTIM`: tandem.init() (Gloo) over the launcher's store, one all-reduce, then rank VICTIM
   SIGKILLs itself; the others read its dead key and use the store tandem.init met in.
+
+With `TEST_ADMITS` set, a rank that says "1" also says it admits replacements (as
+tandem.recovery.Run does). A replacement (`TANDEM_RECOVER_JOIN` set, `--max-restarts` under
+in-memory) prints JOINING and waits, as tandem.init waits to be admitted: these workers never
+admit one.
 """
 
 from __future__ import annotations
@@ -32,6 +37,11 @@ import signal
 import sys
 import time
 from datetime import timedelta
+
+if os.environ.get("TANDEM_RECOVER_JOIN"):  # a replacement: waits to be admitted, as
+    print("JOINING", flush=True)  # tandem.init does; these workers never admit one
+    time.sleep(120)
+    sys.exit(0)
 
 RANK = int(os.environ["RANK"])
 WORLD = int(os.environ["WORLD_SIZE"])
@@ -60,6 +70,10 @@ def say_able(store) -> None:
         said = ["1"] * WORLD
     if said[RANK] is not None:
         store.set(able_key(RANK), said[RANK])
+    if said[RANK] == "1" and os.environ.get("TEST_ADMITS"):  # says it admits replacements
+        from tandem.launch.in_memory import admits_key
+
+        store.set(admits_key(RANK), "1")
 
 
 def connect():

@@ -244,3 +244,18 @@ def test_each_attempt_gets_a_fresh_store_on_the_same_port():
     finally:
         coordinator.close()
     assert coordinator.able([0]) == {0: None}
+
+
+def test_a_replacement_admitted_is_a_line_of_its_own():
+    lost = [Failure(1, 1, "vm", -9, (), at=103.0)]
+    reports = [
+        {"generation": 1, "lost": [1], "members": [0, 2], "step": 2, "detected_s": 0.1,
+         "recovered_s": 0.4},
+        {"generation": 2, "lost": [], "joined": [3], "members": [0, 2, 3], "step": 9,
+         "detected_s": None, "recovered_s": 1.2},
+    ]  # fmt: skip
+    assert recovery_lines(lost, reports, started=100.0) == [
+        "recovery 1: rank 1 (killed by SIGKILL) lost at step 2; detected in 0.1 s; step 2 "
+        "redone by ranks 0,2 in 0.4 s",
+        "recovery 2: replacement rank 3 admitted after step 9; ranks 0,2,3 go on",
+    ]

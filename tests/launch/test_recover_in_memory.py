@@ -17,7 +17,8 @@
   port, a fresh store: no key of the attempt before) and the job ends 0; with none left the
   failure report and status. The restarted workers recover in memory again; the last survivors
   failing restarts too while a restart is left; the summary numbers every recovery and
-  fall-back across attempts. `--max-restarts` replaces no worker the others go on without.
+  fall-back across attempts. `--max-restarts` starts a replacement for a worker the others go on
+  without, stopped at the end if nobody admits it.
 """
 
 from __future__ import annotations
@@ -201,23 +202,43 @@ def test_help_says_what_in_memory_does_not_do_yet():
     )
     text = " ".join(out.stdout.split())
     assert "--recover {restart,in-memory}" in text
-    assert "A lost worker is not replaced" in text
+    assert "A lost worker is replaced while --max-restarts allows" in text
     assert "falls back to restart, up to --max-restarts" in text
     assert "(default: restart" in text
 
 
 @pytest.mark.timeout(120)
-def test_max_restarts_replaces_no_worker_the_others_go_on_without():
+def test_max_restarts_starts_a_replacement_and_stops_it_if_nobody_admits_it():
+    """The survivors go on without the lost rank and, as they say they admit replacements, the
+    launcher starts one (these workers never admit it: tandem.recovery's do,
+    tests/recovery/test_replacement.py); when the members are done it is stopped, and the job
+    still succeeds."""
+    result = tandem_run(
+        "--recover", "in-memory", "--max-restarts", "2", "--nproc-per-node", "2", WORKER,
+        "kill", "1", env={"TEST_ADMITS": "1"},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "the other 1 worker go on without it" in result.stderr
+    assert "starting rank 2 to replace rank 1 (replacement 1 of 2)" in result.stderr
+    assert "JOINING" in result.stdout
+    assert "replacement rank 2 was not admitted: the job ended first" in result.stderr
+    assert "ended before it was admitted" not in result.stderr
+    assert "warning" not in result.stderr
+    assert "FRESH" not in result.stdout  # no worker was started again from scratch
+    assert os.environ.get("TANDEM_RECOVER") is None  # the test's own environment untouched
+
+
+@pytest.mark.timeout(120)
+def test_no_replacement_is_started_for_workers_that_do_not_admit_one():
+    """A Trainer recovers in memory but does not admit replacements yet: no process is started
+    that nobody would let in."""
     result = tandem_run(
         "--recover", "in-memory", "--max-restarts", "2", "--nproc-per-node", "2", WORKER,
         "kill", "1",
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
     assert "the other 1 worker go on without it" in result.stderr
-    assert "warning" not in result.stderr
-    assert "restart" not in result.stderr.replace("--recover", "")
-    assert "FRESH" not in result.stdout  # nothing was started again
-    assert os.environ.get("TANDEM_RECOVER") is None  # the test's own environment untouched
+    assert "replace" not in result.stderr and "JOINING" not in result.stdout
 
 
 SHARDED = "the model is sharded across ranks (FullyShardedDataParallel)"

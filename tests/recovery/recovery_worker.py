@@ -2,7 +2,7 @@
 
     python -m tests.recovery.recovery_worker OUT [--kill RANK:STEP:WHERE ...] [--stop-after K]
                                                  [--resume FILE] [--epochs E]
-                                                 [--bucket-cap-mb MB]
+                                                 [--bucket-cap-mb MB] [--step-sleep S]
 
 ``--kill`` (repeatable: several ranks may be lost) makes launch rank RANK lose itself at step
 STEP, WHERE =
@@ -27,6 +27,10 @@ Before it goes, the victim writes ``OUT.killed-RANK`` (JSON: where, step, the wo
 in, and for ``backward`` the buckets launched and in all). Every worker writes its process id
 to ``OUT.pid-RANK`` at its start (the test checks that none is left at the end).
 
+``--step-sleep S`` sleeps S seconds in every step (a replacement has time to start and join).
+A ``--resume`` at a larger world size seeds the ranks the saved run had not as an admitted
+replacement is seeded (``tandem.recovery.newcomer_seed``).
+
 ``--stop-after K`` saves the state after K committed steps to OUT and exits (the oracle's first
 half; K = 0 saves before any step); ``--resume FILE`` loads it (the second half, at another
 world size). Rank 0 writes the final parameters and the run's record to OUT.
@@ -49,8 +53,8 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import tandem
-from tandem.checkpoint.rng import capture_rng_state, restore_rng_state
-from tandem.recovery import Run
+from tandem.checkpoint.rng import capture_rng_state, restore_rng_state, seed_rng
+from tandem.recovery import Run, newcomer_seed
 
 WHERES = ("forward", "backward", "commit", "step", "hang")
 
@@ -83,6 +87,7 @@ def main() -> None:
     parser.add_argument("--resume", default=None)
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--bucket-cap-mb", type=float, default=None)
+    parser.add_argument("--step-sleep", type=float, default=0.0)
     args = parser.parse_args()
     torch.set_num_threads(1)
     faulthandler.register(signal.SIGUSR1, all_threads=True)
@@ -101,7 +106,11 @@ def main() -> None:
         opt.load_state_dict(saved["optimizer"])
         run.load_state_dict(saved["run"])
         # As a resume at another world size maps them: new rank r continues saved rank r's.
-        restore_rng_state(saved["rng"][tandem.world().rank])
+        rank = tandem.world().rank
+        if rank < len(saved["rng"]):
+            restore_rng_state(saved["rng"][rank])
+        else:  # a rank the saved run had not: seeded as a replacement admitted there is
+            seed_rng(newcomer_seed(3, run.step_count, rank))
     mine = {where: step for rank, step, where in args.kill if rank == me}
     pauses = {step for rank, step in args.pause if rank == me}
 
@@ -134,6 +143,7 @@ def main() -> None:
     opt.register_step_pre_hook(lambda *_: lose("step"))
 
     def train_step(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> float:
+        time.sleep(args.step_sleep)  # a slower step: a replacement has time to start
         x, y = batch
         loss = F.cross_entropy(model(x), y)
         lose("forward")

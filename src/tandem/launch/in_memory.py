@@ -12,8 +12,11 @@ supervisor records it (rank, how it ended, when) and the coordinator writes the 
 ``TANDEM_JOB_SECRET`` is set) as JSON ``{"rank", "how", "at", ...}``, which the survivors poll;
 they re-form among themselves and redo the step (the worker side, :mod:`tandem.recovery`). The
 job ends when every worker has exited: status 0 if at least one ran to completion (every
-other exit being a loss the survivors went on without), else the usual failure report. A
-rank lost while the others go on is not replaced.
+other exit being a loss the survivors went on without), else the usual failure report. With
+``--max-restarts`` (one node), a rank lost while the others go on is replaced when every
+member said it admits one (:func:`admits_key`): the supervisor starts a worker with a new
+launch rank and ``TANDEM_RECOVER_JOIN``, which the members admit at a step boundary
+(:mod:`tandem.job.join`, :mod:`tandem.recovery`).
 
 Only workers that said so are left to go on: each worker that recovers in memory sets
 :func:`able_key` (``tandem/recover/able/<global rank>``) to ``"1"`` at its start
@@ -140,6 +143,19 @@ def able_key(rank: int, environ: Mapping[str, str] = os.environ) -> str:
         'tandem/recover/able/0'
     """
     return f"tandem/{key_scope(environ)}recover/able/{rank}"
+
+
+def admits_key(rank: int, environ: Mapping[str, str] = os.environ) -> str:
+    """The store key under which the worker of global ``rank`` says it admits replacements
+    (``"1"``: ``tandem.recovery.Run``); the launcher starts one for a lost worker only if every
+    member still running said so.
+
+    Example::
+
+        >>> admits_key(0, {})
+        'tandem/recover/admits/0'
+    """
+    return f"tandem/{key_scope(environ)}recover/admits/{rank}"
 
 
 def unable(said: Mapping[int, str | None]) -> dict[int, str]:
@@ -457,6 +473,12 @@ class InMemoryCoordinator(LocalCoordinator):
                 said[rank] = value.decode(errors="replace") if isinstance(value, bytes) else value
         return said
 
+    def admits(self, ranks: Iterable[int]) -> bool:
+        """Whether every one of ``ranks`` said it admits replacements (:func:`admits_key`)."""
+        return self.store is not None and all(
+            self.store.check([admits_key(rank)]) for rank in ranks
+        )
+
     def beat(self) -> None:
         """Many nodes: show this launcher alive (every half second at most)."""
         now = time.monotonic()
@@ -762,6 +784,13 @@ def recovery_lines(
 
 def _reported(ranks: list[int], by_rank: Mapping[int, Failure], report: dict[str, Any]) -> str:
     """One recovery a survivors' report describes, as its summary line says it."""
+    joined = [str(r) for r in report.get("joined") or []]
+    if joined and not ranks:  # a replacement admitted (tandem.recovery's grow)
+        going_on = ",".join(str(r) for r in report.get("members") or [])
+        return (
+            f"replacement rank{'s' if len(joined) > 1 else ''} {', '.join(joined)} admitted "
+            f"after step {report.get('step')}; ranks {going_on} go on"
+        )
     hows = [
         f"{r} ({by_rank[r].cause or describe_exit(by_rank[r].returncode, likely=False)})"
         if r in by_rank

@@ -133,9 +133,11 @@ class Worker:
         env: dict[str, str],
         logs: LogPlan | None,
         console: Console | None = None,
+        rank: int | None = None,
     ):
         self.local_rank = local_rank
-        self.rank = spec.global_rank(local_rank)
+        self.rank = spec.global_rank(local_rank) if rank is None else rank
+        self.env = env
         self.tail: deque[str] = deque(maxlen=TAIL_LINES)
         self.proc = subprocess.Popen(
             spec.command,
@@ -313,6 +315,8 @@ class Supervisor:
         """
         coordinator = self.coordinator
         assert isinstance(coordinator, InMemoryCoordinator)
+        self.replaced = 0  # replacements started in memory (--max-restarts), over the job
+        self.unadmitted: set[int] = set()  # replacements that never joined
         started = time.time()  # the run's: the summary says when each loss came from it
         lines: list[str] = []  # the summary's recoveries, attempt after attempt
         restarts = 0
@@ -348,9 +352,10 @@ class Supervisor:
             if fallback is not None:
                 self._say_checkpoint(ended)
                 return fallback.lost[0].exit_code()
-            if len(lost) < len(self.workers):  # one ran to completion; the rest were recovered
+            if any(w.proc.returncode == 0 for w in self.workers):  # one ran to completion
                 return 0
             failure = lost[0]
+            members = [w for w in self.workers if w.rank not in self.unadmitted]
             if coordinator.many:
                 _say(
                     f"every worker of this node failed ({len(lost)} of {len(self.workers)}); "
@@ -359,7 +364,7 @@ class Supervisor:
                 )
             else:
                 _say(
-                    f"every worker failed ({len(lost)} of {len(self.workers)}): no survivor was "
+                    f"every worker failed ({len(lost)} of {len(members)}): no survivor was "
                     "left to go on (--recover in-memory)"
                 )
             self._say_failure(failure, began)
@@ -384,6 +389,10 @@ class Supervisor:
         completed = 0
         generation = 1
         fenced: set[int] = set()
+        # The members of the latest generation: a replacement not yet admitted is not one.
+        members = {w.rank for w in self.workers}
+        waiting: set[int] = set()  # replacements started, not admitted yet
+        dismissed: set[int] = set()  # ... and stopped, the job having ended first
         many = coordinator.many
         everyone = range(self.spec.world_size)
         while running and self.stop_signal is None:
@@ -397,21 +406,35 @@ class Supervisor:
             # into a job that went on without it.
             decided = coordinator.members(generation)
             if decided is not None:
+                waiting -= set(decided)
                 for worker in running:
-                    if worker.rank not in decided and worker.proc.poll() is None:
+                    left_out = worker.rank in members and worker.rank not in decided
+                    if left_out and worker.proc.poll() is None:
                         _say(
                             f"rank {worker.rank} was left out of the job by the others (hung or "
                             "cut off): killing it"
                         )
                         fenced.add(worker.rank)
                         worker.signal(signal.SIGKILL)
+                members = set(decided)
                 generation += 1
+            if waiting - dismissed and all(w.rank in waiting for w in running):
+                for worker in running:  # the members are done: nobody is left to admit them
+                    _say(f"replacement rank {worker.rank} was not admitted: the job ended first")
+                    worker.signal(signal.SIGKILL)
+                dismissed |= waiting
             failed: list[tuple[Worker, Failure]] = []
             for worker in list(running):
                 code = worker.proc.poll()
                 if code is None:
                     continue
                 running.remove(worker)
+                if worker.rank in waiting:  # a replacement that ended before it was admitted
+                    waiting.discard(worker.rank)
+                    self.unadmitted.add(worker.rank)
+                    if worker.rank not in dismissed:
+                        _say(f"replacement rank {worker.rank} ended before it was admitted")
+                    continue
                 if code == 0:
                     completed += 1
                     continue
@@ -425,13 +448,15 @@ class Supervisor:
                 # restart (while any is left) is what --recover restart would do. With many
                 # nodes, who goes on is every rank of the job not known dead, and nobody
                 # left here is no reason to stop the others.
+                members_left: list[int] = []
                 if many:
                     gone = {f.rank for f in lost} | {f.rank for _, f in failed}
                     gone |= coordinator.dead(r for r in everyone if r not in gone)
                     why = unable(coordinator.able(r for r in everyone if r not in gone))
-                else:
-                    why = unable(coordinator.able(w.rank for w in running)) if running else {}
-                nobody = not many and not running and not completed
+                else:  # a replacement not admitted yet is no member to go on
+                    members_left = [w.rank for w in running if w.rank not in waiting]
+                    why = unable(coordinator.able(members_left)) if members_left else {}
+                nobody = not many and not members_left and not completed
                 if why or (nobody and restarts < self.spec.max_restarts):
                     left = restarts < self.spec.max_restarts and not many
                     for worker, _ in failed:
@@ -454,10 +479,38 @@ class Supervisor:
                 for worker, failure in failed:
                     failure = dataclasses.replace(failure, tail=worker.drained_tail())
                     lost.append(failure)
-                    _say(lost_summary(failure, len(running)))
+                    _say(lost_summary(failure, len(members_left) if not many else len(running)))
+                    if (
+                        not many
+                        and members_left
+                        and self.replaced < self.spec.max_restarts
+                        and coordinator.admits(members_left)
+                    ):
+                        self.replaced += 1
+                        new = self._replacement(worker, self.spec.world_size + self.replaced - 1)
+                        self.workers.append(new)
+                        running.append(new)
+                        waiting.add(new.rank)
+                        _say(
+                            f"starting rank {new.rank} to replace rank {worker.rank} "
+                            f"(replacement {self.replaced} of {self.spec.max_restarts}): the "
+                            "others admit it at their next step"
+                        )
             if running:
                 time.sleep(0.02)
         return lost, None, None
+
+    def _replacement(self, lost: Worker, rank: int) -> Worker:
+        """A worker in ``lost``'s place (its local rank, so its device) with launch rank
+        ``rank``, which asks the others to admit it (``tandem.job.join``)."""
+        env = dict(
+            lost.env,
+            RANK=str(rank),
+            ROLE_RANK=str(rank),
+            WORLD_SIZE=str(rank + 1),  # a consistent pair until the members admit it
+            TANDEM_RECOVER_JOIN=str(rank),
+        )
+        return Worker(self.spec, lost.local_rank, env, self.spec.logs, self.console, rank=rank)
 
     def _start(self, attempt: int, restarts: int, placement: Attempt) -> None:
         spec = self.spec
