@@ -54,10 +54,15 @@ def tandem_run_module(module: str, *args: str, nproc: int = 2) -> list[str]:
 
 
 def run_job(
-    nproc: int, flags: list[str], module: str, *args: str, timeout: float = 240
+    nproc: int,
+    flags: list[str],
+    module: str,
+    *args: str,
+    timeout: float = 240,
+    check: bool = True,
 ) -> subprocess.CompletedProcess[str]:
     """`tandem run --nproc-per-node N FLAGS -m MODULE ARGS` from the repository's root, which
-    must exit 0 (else its stderr's end fails the test)."""
+    must exit 0 when ``check`` (else its stderr's end fails the test)."""
     result = subprocess.run(
         [sys.executable, "-m", "tandem.cli", "run", "--nproc-per-node", str(nproc), *flags,
          "-m", module, *args],
@@ -67,7 +72,7 @@ def run_job(
         text=True,
         timeout=timeout,
     )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-4000:]
+    assert not check or result.returncode == 0, result.stderr[-4000:]
     return result
 
 

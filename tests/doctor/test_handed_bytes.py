@@ -43,6 +43,19 @@ STEPS = 5
 F32, I64 = 4, 8  # bytes per element
 
 
+def train(model: nn.Module, opt: torch.optim.Optimizer) -> step_clock.Clock:
+    """STEPS steps (and the forward that ends the last one at its tick); the step clock."""
+    torch.manual_seed(dist.get_rank())
+    for _ in range(STEPS + 1):  # a step ends at the next one's tick
+        x, y = torch.randn(6, 5), torch.randint(0, 3, (6,))
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    clock = step_clock.counting()
+    assert clock is not None
+    return clock
+
+
 def _ddp_steps(report_dir: str) -> dict:
     torch.manual_seed(0)
     net = nn.Sequential(
@@ -52,14 +65,7 @@ def _ddp_steps(report_dir: str) -> dict:
     buffers = list(net.buffers())
     model = tandem.DDP(net, bucket_cap_mb=1e-4)  # ~100 bytes: a few buckets
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    torch.manual_seed(dist.get_rank())
-    for _ in range(STEPS + 1):  # a step ends at the next one's tick
-        x, y = torch.randn(6, 5), torch.randint(0, 3, (6,))
-        opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
-    clock = step_clock.counting()
-    assert clock is not None
+    clock = train(model, opt)
     step_clock.write(report_dir)
     return {
         "handed": list(clock.handed),
@@ -116,14 +122,7 @@ def _fsdp_steps() -> dict:
     sizes = [sum(p.numel() for p in m.parameters()) for m in (net.a, net.b, net.c)]
     model = tandem.FullyShardedDataParallel(net, auto_wrap={nn.Linear})
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    torch.manual_seed(dist.get_rank())
-    for _ in range(STEPS + 1):
-        x, y = torch.randn(6, 5), torch.randint(0, 3, (6,))
-        opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
-    clock = step_clock.counting()
-    assert clock is not None
+    clock = train(model, opt)
     return {"handed": list(clock.handed), "sizes": sizes}
 
 

@@ -54,6 +54,17 @@ class Node:
         return ["ip", "netns", "exec", self.namespace, *argv]
 
 
+def address_and_up(node: Node) -> None:
+    """Give ``node``'s interface (already in its namespace) its address, and bring it and the
+    namespace's loopback up."""
+    _checked_ip(
+        "-n", node.namespace, "addr", "add",
+        f"{node.address}/{PREFIX_LENGTH}", "dev", node.interface,
+    )  # fmt: skip
+    _checked_ip("-n", node.namespace, "link", "set", "lo", "up")
+    _checked_ip("-n", node.namespace, "link", "set", node.interface, "up")
+
+
 def _ip(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30, check=False)
 
@@ -111,12 +122,7 @@ def two_nodes() -> Iterator[tuple[Node, Node]]:
         _checked_ip("link", "add", a.interface, "type", "veth", "peer", "name", b.interface)
         for node in nodes:
             _checked_ip("link", "set", node.interface, "netns", node.namespace)
-            _checked_ip(
-                "-n", node.namespace, "addr", "add",
-                f"{node.address}/{PREFIX_LENGTH}", "dev", node.interface,
-            )  # fmt: skip
-            _checked_ip("-n", node.namespace, "link", "set", "lo", "up")
-            _checked_ip("-n", node.namespace, "link", "set", node.interface, "up")
+            address_and_up(node)
         yield nodes
     finally:
         # A veth end still in the host namespace (setup failed half-way) would outlive the

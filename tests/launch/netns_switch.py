@@ -27,7 +27,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from tests.launch.netns import Node, _checked_ip, _ip, can_make_namespaces
+from tests.launch.netns import Node, _checked_ip, _ip, address_and_up, can_make_namespaces
 
 SUBNET_PREFIX = "10.78.0."  # not netns.py's: a test may use both kinds at once
 PREFIX_LENGTH = 24
@@ -95,12 +95,7 @@ def switch(n: int) -> Iterator[Switch]:
             _checked_ip("link", "set", port, "netns", hub)
             _checked_ip("-n", hub, "link", "set", port, "master", "br0")
             _checked_ip("-n", hub, "link", "set", port, "up")
-            _checked_ip(
-                "-n", node.namespace, "addr", "add",
-                f"{node.address}/{PREFIX_LENGTH}", "dev", node.interface,
-            )  # fmt: skip
-            _checked_ip("-n", node.namespace, "link", "set", "lo", "up")
-            _checked_ip("-n", node.namespace, "link", "set", node.interface, "up")
+            address_and_up(node)
         yield Switch(nodes, hub, ports)
     finally:
         # A veth end still in the host namespace (set-up failed half-way) would outlive the

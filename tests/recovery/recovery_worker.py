@@ -155,8 +155,16 @@ def main() -> None:
 
     while not run.finished and run.step_count != args.stop_after:
         run.step(train_step)
-    states = [None] * tandem.world().world_size
-    dist.all_gather_object(states, capture_rng_state())
+    finish(run, net, opt, args.out)
+
+
+def finish(run: Run, net: nn.Module, opt: torch.optim.Optimizer, out: str) -> None:
+    """Rank 0 writes the run's record to ``out`` (every rank's generators, the parameters, the
+    optimizer, the run's place, its recoveries); then the loop ends."""
+    states: list[object] = [capture_rng_state()]
+    if dist.is_initialized():  # one process resumed alone has no group
+        states = [None] * dist.get_world_size()
+        dist.all_gather_object(states, capture_rng_state())
     if tandem.world().rank == 0:
         record = {
             "rng": states,
@@ -167,7 +175,7 @@ def main() -> None:
             "world_size": run.world_size,
             "recoveries": [r.record() for r in run.recoveries],
         }
-        torch.save(record, args.out)
+        torch.save(record, out)
     run.close()
     tandem.shutdown()
 

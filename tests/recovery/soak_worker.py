@@ -20,15 +20,14 @@ import signal
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import TensorDataset
 
 import tandem
-from tandem.checkpoint.rng import capture_rng_state, restore_rng_state
+from tandem.checkpoint.rng import restore_rng_state
 from tandem.recovery import Run
-from tests.recovery.recovery_worker import kill_spec
+from tests.recovery.recovery_worker import finish, kill_spec
 
 SAMPLES = 96  # a multiple of 4, 3, 2 and 1 ranks x 4 per rank... see the test's schedule
 
@@ -99,23 +98,7 @@ def main() -> None:
         run.step(train_step)  # committed (and stepped) when it returns
         note(epoch, run.step_count - 1)
     log.close()
-    states: list[object] = [capture_rng_state()]
-    if dist.is_initialized():
-        states = [None] * dist.get_world_size()
-        dist.all_gather_object(states, capture_rng_state())
-    if tandem.world().rank == 0:
-        record = {
-            "rng": states,
-            "model": {k: v.clone() for k, v in net.state_dict().items()},
-            "optimizer": opt.state_dict(),
-            "run": run.state_dict(),
-            "steps": run.step_count,
-            "world_size": run.world_size,
-            "recoveries": [r.record() for r in run.recoveries],
-        }
-        torch.save(record, args.out)
-    run.close()
-    tandem.shutdown()
+    finish(run, net, opt, args.out)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,6 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,7 +38,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.launching import clean_env
+from tests.launching import run_job
 
 # One worker runs them in turn: the cases share their oracles, and two jobs of 4 ranks at once
 # on a 2-core machine would eat into the recovery times they check.
@@ -56,15 +55,7 @@ def launch(
 ) -> subprocess.CompletedProcess[str]:
     """``tandem run --nproc-per-node N [--recover in-memory] -m the worker ARGS``."""
     flags = ["--recover", "in-memory", "--heartbeat-timeout", f"{beat:g}"] if recover else []
-    return subprocess.run(
-        [sys.executable, "-m", "tandem.cli", "run", "--nproc-per-node", str(nproc), *flags,
-         "-m", WORKER, *args],
-        env={**clean_env(), "PYTHONPATH": str(ROOT)},
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )  # fmt: skip
+    return run_job(nproc, flags, WORKER, *args, timeout=timeout, check=False)
 
 
 def resumed(directory: Path, nproc: int, size: int, step: int, extra: list[str]) -> dict:
