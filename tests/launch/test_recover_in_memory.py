@@ -366,9 +366,14 @@ def test_every_worker_failing_restarts_while_restarts_are_left():
     assert "every worker failed (2 of 2)" in result.stderr  # the second
     summary = [line for line in result.stderr.splitlines() if "tandem run: recovery " in line]
     assert len(summary) == 4, result.stderr
-    assert summary[1].startswith("tandem run: recovery 2: rank 1 (exit code 3) lost ")
+    # Each attempt loses both ranks; rank 1 exits 0.2 s after rank 0, but on a loaded machine
+    # the launcher may see them in either order: the numbering and the ranks per attempt hold.
+    pattern = re.compile(r"^tandem run: recovery (\d): rank (\d) \(exit code 3\) lost ")
+    seen = [pattern.match(line) for line in summary]
+    assert all(seen), summary
+    assert [int(m.group(1)) for m in seen] == [1, 2, 3, 4]
+    assert {m.group(2) for m in seen[:2]} == {m.group(2) for m in seen[2:]} == {"0", "1"}
     assert summary[1].endswith(
         "no worker left to go on in memory: every worker restarted (restart 1 of 1) from the "
         "last checkpoint"
     )
-    assert summary[3].startswith("tandem run: recovery 4: rank 1 (exit code 3) lost ")
