@@ -221,3 +221,36 @@ class Tied(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.head(torch.tanh(self.mid(self.embed(tokens))))
+
+
+class TinyTransformer(nn.Module):
+    """Token embedding, two encoder layers (``layers.0``, ``layers.1``: the units of their own in
+    the tests) and an output head, no dropout; tokens below :data:`VOCAB`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 8)
+        self.layers = nn.ModuleList(
+            nn.TransformerEncoderLayer(8, 2, dim_feedforward=12, dropout=0.0, batch_first=True)
+            for _ in range(2)
+        )
+        self.head = nn.Linear(8, VOCAB)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h)
+
+
+def as_nodes(per_node: int) -> None:
+    """Describe this rank as a launcher of ``per_node`` ranks per node would (torchrun's
+    LOCAL_WORLD_SIZE, LOCAL_RANK and GROUP_RANK), for ``tandem.world()`` to read."""
+    import os
+
+    rank = dist.get_rank()
+    os.environ.update(
+        LOCAL_WORLD_SIZE=str(per_node),
+        LOCAL_RANK=str(rank % per_node),
+        GROUP_RANK=str(rank // per_node),
+    )

@@ -3,7 +3,8 @@
 - ``wrapper``: :class:`FullyShardedDataParallel` itself (construction, forward, clipping,
   state dicts);
 - ``units``: which submodules become units, agreed by every rank; ``flat``: one unit's
-  parameters as one flat buffer, sharded, with its all-gather and reduce-scatter;
+  parameters as one flat buffer, sharded, with its all-gather and reduce-scatter (and, hybrid,
+  all-reduce); ``mesh``: the groups it is sharded over and replicated across;
 - ``hooks``: what runs around every unit's forward and backward; ``precision``: the mixed
   precision policy and its casts;
 - ``layout``: what a wrapped model is made of, as data; ``state``: its full and sharded state

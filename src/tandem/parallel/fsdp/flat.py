@@ -24,9 +24,16 @@ slice to the shard's dtype. Readers of the whole values (checkpoints, ``gathered
 see them rounded: they gather the shards as they are (:meth:`FlatUnit.gather`,
 :meth:`FlatUnit.gather_exact`) into a buffer of their own.
 
+Hybrid sharding (:mod:`tandem.parallel.fsdp.mesh`): the buffer is cut over the mesh's row (its
+shard group) only, and each reduced slice is all-reduced across the column (its replicate group)
+before it becomes a mean (:func:`gradient_divisors`, torch's rule, applied in two steps as
+torch's HSDP does). With ``reshard_after_forward=<int>`` a unit freed after its forward keeps
+the slice of ``full`` that its post-forward group assigns this rank (:meth:`FlatUnit.free`'s
+``keep``), and its backward's all-gather refills ``full`` from those slices within that group.
+
 Example::
 
-    unit = FlatUnit(0, entries, group=None, device=cpu)  # entries: (fqn, locations, param)
+    unit = FlatUnit(0, entries, mesh.flat(None), cpu)    # entries: (fqn, locations, param)
     unit.unshard()                                       # all-gather; attributes are views
     leaf = unit.attach(requires_grad=True)
     unit.free()                                          # stage 3, after forward
@@ -42,8 +49,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tandem._dist import global_rank, group_rank, group_size
 from tandem.doctor import records
+from tandem.groups import GroupInfo
+from tandem.parallel.fsdp.mesh import FsdpMesh
 from tandem.parallel.sharding import flat_shard, padded_numel
 
 
@@ -73,7 +81,8 @@ def reduce_scatter_flat(
 
 
 def mean_divisors(dtype: torch.dtype, world_size: int) -> tuple[float | None, float | None]:
-    """The divisors ``(before, after)`` that make a reduce-scatter's sum a mean (None: none).
+    """The divisors ``(before, after)`` that make a reduce-scatter's sum a mean (None: none):
+    :func:`gradient_divisors` of flat sharding over ``world_size`` ranks.
 
     torch FSDP2's rule, so that the two agree bit for bit: float32 and bfloat16 sum first and
     divide the slice after (1/N of the elements to divide; on Gloo exactly what FSDP2's
@@ -81,15 +90,48 @@ def mean_divisors(dtype: torch.dtype, world_size: int) -> tuple[float | None, fl
     of two near sqrt(N) before the sum and by the rest after, so that the sum neither overflows
     nor underflows.
     """
-    if world_size == 1:
-        return None, None
+    before, scattered, reduced = gradient_divisors(dtype, world_size, 1)
+    return before, scattered or reduced
+
+
+def gradient_divisors(
+    dtype: torch.dtype, shard_size: int, replicate_size: int
+) -> tuple[float | None, float | None, float | None]:
+    """The divisors ``(before, after the reduce-scatter, after the all-reduce)`` that make the
+    gradient summed over ``shard_size x replicate_size`` ranks a mean (None: none).
+
+    torch FSDP2's rule (``_get_gradient_divide_factors``): float32 and bfloat16 average in each
+    collective (``ReduceOp.AVG``, on Gloo the sum divided by the group's size), so the slice is
+    divided by the shard group's size after the reduce-scatter, then by the replicate group's
+    after the all-reduce. Other dtypes divide by a power of two near sqrt(N) (N all the ranks)
+    before the sum and by the rest at the very end.
+
+    Example::
+
+        >>> gradient_divisors(torch.float32, 2, 2)
+        (None, 2.0, 2.0)
+        >>> gradient_divisors(torch.float16, 4, 1)
+        (2.0, None, 2.0)
+    """
+    total = shard_size * replicate_size
+    if total == 1:
+        return None, None, None
     if dtype in (torch.float32, torch.bfloat16):
-        return None, float(world_size)
+        return (
+            None,
+            float(shard_size) if shard_size > 1 else None,
+            float(replicate_size) if replicate_size > 1 else None,
+        )
     before = 1
-    while world_size % before == 0 and world_size / before > before:
+    while total % before == 0 and total / before > before:
         before *= 2
-    after = world_size / before
-    return (float(before) if before > 1 else None), (after if after != 1 else None)
+    after = total / before
+    return (float(before) if before > 1 else None), None, (after if after != 1 else None)
+
+
+def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> Any:
+    """Start summing ``tensor`` in place over ``group`` (asynchronous: the work)."""
+    return dist.all_reduce(tensor, group=group, async_op=True)
 
 
 @dataclass(frozen=True)
@@ -115,21 +157,40 @@ def _alias(t: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class Reduction:
-    """A started reduce-scatter of one unit's flat gradient.
+    """A started reduction of one unit's flat gradient: a reduce-scatter, then (hybrid) an
+    all-reduce of its slice across the replicas.
 
-    ``out`` is this rank's slice (in the reduce dtype) once ``work`` is done (``work`` None:
-    one rank, nothing sent, ``out`` is the gradient itself); ``after`` is the divisor that makes
-    it a mean; ``sent`` the flat gradient the collective reads from, held until it is done.
+    ``out`` is this rank's slice (in the reduce dtype) once ``work``, the collective in flight,
+    is done (None: nothing in flight; one rank, nothing sent, ``out`` is the gradient itself);
+    ``after`` divides it then; ``sent`` is the flat gradient the reduce-scatter reads from, held
+    until it is done. ``across`` is the replicate group still to all-reduce ``out`` over after
+    that (None: none), and ``after_across`` the divisor that follows that all-reduce.
     """
 
     out: torch.Tensor
     work: Any
     after: float | None
-    sent: torch.Tensor
+    sent: torch.Tensor | None
+    across: dist.ProcessGroup | None = None
+    after_across: float | None = None
+    all_reducing: bool = False  # whether ``work`` is the all-reduce (else the reduce-scatter)
+
+    def advance(self) -> None:
+        """``work`` is done: start the all-reduce across the replicas, if one follows, once
+        the slice is divided (torch's HSDP order: a mean per group, the same bits)."""
+        self.work = self.sent = None
+        if self.across is None:
+            return
+        if self.after is not None:
+            self.out.div_(self.after)
+        self.after, self.after_across = self.after_across, None
+        self.work, self.across = all_reduce_sum(self.out, self.across), None
+        self.all_reducing = True
 
     def result(self, dtype: torch.dtype) -> torch.Tensor:
-        """The mean slice in ``dtype`` (call when ``work`` is done): divided in the reduce
-        dtype first, then cast (torch FSDP2's order, the same bits)."""
+        """The mean slice in ``dtype`` (call when nothing is left in flight): divided in the
+        reduce dtype first, then cast (torch FSDP2's order, the same bits)."""
+        assert self.work is None and self.across is None, "reduction still in flight"
         if self.after is not None:
             self.out.div_(self.after)
         return self.out.to(dtype)
@@ -143,11 +204,14 @@ class FlatUnit:
         params: ``(fqn, locations, parameter)`` of every trainable parameter of the unit, with
             ``locations`` the ``(module, name)`` pairs it is registered as (several when tied);
             identical values on every rank, one dtype.
-        group: the process group sharing the unit.
+        mesh: the ranks sharing the unit: cut over ``mesh.shard``, replicated across
+            ``mesh.replicate`` (:mod:`tandem.parallel.fsdp.mesh`).
         device: where the shard and the gathered buffer live.
         param_dtype: the dtype of ``full``, the gathered parameters forward and backward use
             (None: the parameters' own).
         reduce_dtype: the dtype gradients are reduce-scattered in (None: ``param_dtype``).
+        post_forward: the group whose ranks keep slices of ``full`` between the unit's forward
+            and its backward (``reshard_after_forward=<int>``; None: nothing kept).
     """
 
     # The unit whose whole values :meth:`gather` last gathered at the shard's precision under
@@ -159,10 +223,11 @@ class FlatUnit:
         self,
         index: int,
         params: list[tuple[str, list[tuple[nn.Module, str]], nn.Parameter]],
-        group: dist.ProcessGroup | None,
+        mesh: FsdpMesh,
         device: torch.device,
         param_dtype: torch.dtype | None = None,
         reduce_dtype: torch.dtype | None = None,
+        post_forward: GroupInfo | None = None,
     ) -> None:
         dtypes = {p.dtype for *_, p in params}
         if len(dtypes) != 1:
@@ -174,9 +239,11 @@ class FlatUnit:
             )
         dtype = dtypes.pop()
         self.index = index
-        self.group = group
-        self.world_size = group_size(group)
-        self.rank = group_rank(group)
+        self.mesh = mesh
+        self.group = mesh.shard.group
+        self.world_size = mesh.shard.size
+        self.rank = mesh.shard.rank
+        self.post_forward = post_forward
         self.param_dtype = param_dtype or dtype
         # torch's rule: the gradients come in param_dtype and are reduced in it unless told.
         self.reduce_dtype = reduce_dtype or self.param_dtype
@@ -194,10 +261,11 @@ class FlatUnit:
             self.split_sizes.append(self.padded - self.numel)
         with torch.no_grad():
             flat = self._flatten({fqn: p for fqn, _, p in params}, dtype, device)
-            if self.world_size > 1:
+            everyone = mesh.everyone
+            if everyone.size > 1:
                 # Rank 0's values everywhere, one unit at a time on ``device``: a model built on
                 # the CPU never has to fit on the device whole.
-                dist.broadcast(flat, src=global_rank(group, 0), group=group)
+                dist.broadcast(flat, src=everyone.leader, group=everyone.group)
             self.shard = nn.Parameter(flat[self.own].clone())
         for entry in self.entries:
             for module, name in entry.locations:
@@ -213,6 +281,10 @@ class FlatUnit:
         self._gathered_version: int | None = self.shard._version
         # Mixed precision only: the whole values at the shard's precision, for full_values().
         self._exact: torch.Tensor | None = None
+        # reshard_after_forward=<int>: this rank's slice of ``full`` in the post-forward group,
+        # kept from a forward for its backward, and the shard's version it was cut from.
+        self._kept: torch.Tensor | None = None
+        self._kept_version: int | None = None
         # no_sync: the flat gradients of the micro-steps not reduced yet, summed.
         self.unsynced: torch.Tensor | None = None
 
@@ -233,7 +305,7 @@ class FlatUnit:
             self._wait_gathering()
         self.param_dtype = new_param
         self.reduce_dtype = reduce_dtype or new_param
-        self._exact = None
+        self._exact = self._kept = None
         if current:
             self.full = old.to(new_param)  # old itself when the dtype is the same
         else:
@@ -273,7 +345,8 @@ class FlatUnit:
 
         The shard is cast to ``param_dtype`` before it is sent. With ``async_op`` the
         all-gather is only started (a prefetch); the next plain ``unshard()`` or ``free()``
-        waits for it.
+        waits for it. After a forward that kept slices (:meth:`free`'s ``keep``) the slices are
+        gathered instead, within the post-forward group: the same values, from nearer ranks.
         """
         if self._gathering is not None:
             if not async_op:
@@ -286,11 +359,17 @@ class FlatUnit:
             storage.resize_(self.padded * self.full.element_size())
         target = _alias(self.full)
         with torch.no_grad():
-            source = self.shard.detach().to(self.param_dtype)
-            if self.world_size == 1:
+            group, size = self.group, self.world_size
+            if self._kept is not None and self._kept_version == self.shard._version:
+                assert self.post_forward is not None  # only kept with a post-forward group
+                source, group, size = self._kept, self.post_forward.group, self.post_forward.size
+            else:
+                source = self.shard.detach().to(self.param_dtype)
+            self._kept = None  # in ``full`` from now on (or stale)
+            if size == 1:
                 target.copy_(source)
             else:
-                work = all_gather_flat(target, source, group=self.group, async_op=async_op)
+                work = all_gather_flat(target, source, group=group, async_op=async_op)
                 if async_op:
                     self._gathering, self._sending = work, source
         self._gathered_version = self.shard._version
@@ -303,13 +382,25 @@ class FlatUnit:
     def invalidate(self) -> None:
         """Mark ``full`` stale: the shard changed in a way its version counter does not show
         (fused optimizers write through kernels that do not bump it)."""
-        self._gathered_version = None
+        self._gathered_version = self._kept_version = None
 
-    def free(self) -> None:
+    def free(self, keep: bool = False) -> None:
         """Release ``full``'s memory (and :meth:`gather`'s values); views of it stay valid
-        objects until the next unshard."""
+        objects until the next unshard.
+
+        With ``keep`` (after a forward, ``reshard_after_forward=<int>``) this rank's slice of it
+        in the post-forward group is kept first, for the backward's all-gather (torch's
+        ``_to_sharded_post_forward``); without it, a kept slice is dropped too.
+        """
         if self._gathering is not None:  # never free what a collective is writing into
             self._wait_gathering()
+        post = self.post_forward
+        if keep and post is not None and self.is_current:
+            start, end = flat_shard(self.padded, post.size, post.rank)
+            self._kept = self.full[start:end].clone()
+            self._kept_version = self.shard._version
+        elif not keep:
+            self._kept = None
         self.full.untyped_storage().resize_(0)
         self._gathered_version = None
         self._exact = None
@@ -392,16 +483,26 @@ class FlatUnit:
 
     def reduce_scatter(self, flat_grad: torch.Tensor) -> Reduction:
         """Start summing ``flat_grad`` over the ranks, in ``reduce_dtype``, into this rank's
-        slice; ``flat_grad`` may be divided in place first (:func:`mean_divisors`)."""
+        slice: a reduce-scatter over the shard group, then (hybrid) an all-reduce across the
+        replicas, started by :meth:`Reduction.advance`; ``flat_grad`` may be divided in place
+        first (:func:`gradient_divisors`)."""
         sent = flat_grad.to(self.reduce_dtype)  # itself when it has that dtype already
-        if self.world_size == 1:
-            return Reduction(sent, None, None, sent)
-        before, after = mean_divisors(self.reduce_dtype, self.world_size)
+        replicate = self.mesh.replicate
+        before, scattered, reduced = gradient_divisors(
+            self.reduce_dtype, self.world_size, replicate.size
+        )
         if before is not None:
             sent.div_(before)
+        across = replicate.group if replicate.size > 1 else None
+        if self.world_size == 1:
+            reduction = Reduction(sent, None, scattered, None, across, reduced)
+            reduction.advance()  # nothing to scatter: the all-reduce, if any, starts now
+            return reduction
+        if across is None:  # flat: one divisor after the reduce-scatter
+            scattered, reduced = scattered or reduced, None
         out = torch.empty(self.shard.numel(), dtype=self.reduce_dtype, device=sent.device)
         work = reduce_scatter_flat(out, sent, group=self.group, async_op=True)
-        return Reduction(out, work, after, sent)
+        return Reduction(out, work, scattered, sent, across, reduced)
 
     def accumulate(self, flat_grad: torch.Tensor) -> None:
         """Keep a micro-step's flat gradient for the next reduce-scatter (``no_sync``), summed

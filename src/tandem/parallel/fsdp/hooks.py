@@ -9,13 +9,17 @@ unit, in the order the units run:
    that ran next in the last forward (prefetch), point the module's attributes at a fresh
    autograd leaf over the gathered buffer.
 2. Post-forward: in stage 3 free the parameters (not the last unit's, whose backward comes
-   first), hook the outputs; the wrapper's outputs are cast to ``output_dtype`` last.
+   first; with ``reshard_after_forward=<int>`` keeping this rank's slice in the post-forward
+   group when a backward follows), hook the outputs; the wrapper's outputs are cast to
+   ``output_dtype`` last.
 3. Pre-backward (the first gradient reaching an output): gather again, prefetch the unit whose
    backward follows, and queue the end-of-backward callback once per backward.
 4. The leaf's post-accumulate hook (the unit's flat gradient is complete): start its
    reduce-scatter (or keep it, under ``no_sync``), free the parameters in stage 3.
-5. End of backward: wait for the reduce-scatters, oldest first, and add their mean slices to
-   the shards' ``.grad``; free whatever is still gathered (stage 3).
+5. End of backward: wait for the reduce-scatters, oldest first (hybrid: and for the
+   all-reduce of each slice across the replicas, started as its reduce-scatter is found
+   done), and add their mean slices to the shards' ``.grad``; free whatever is still gathered
+   (stage 3).
 
 Example::
 
@@ -165,7 +169,9 @@ class Hooks:
         # gathering it again back to back.
         last = torch.is_grad_enabled() and self.order[-1:] == [unit]
         if self.stage == 3 and free and not last:
-            self.free(unit, "after its forward")
+            # In grad mode a backward follows: with reshard_after_forward=<int> the unit keeps
+            # this rank's slice for it, to gather within its post-forward group (else frees all).
+            self.free(unit, "after its forward", keep=torch.is_grad_enabled())
         elif self.stage == 3:
             self.debug("kept after its forward: its backward comes first", unit)
         # Outputs need grad only when this forward made a use (grad mode): hooks go on those.
@@ -239,8 +245,16 @@ class Hooks:
             if len(self.pending) <= limit and work is not None and not work.is_completed():
                 return
             if work is not None:
-                with self.span("reduce_scatter_wait", unit), step_clock.waiting:
+                phase = "all_reduce" if reduction.all_reducing else "reduce_scatter"
+                with self.span(f"{phase}_wait", unit), step_clock.waiting:
                     records.wait(work)  # on Gloo, a mismatch the doctor finds raises here
+                if reduction.across is None:
+                    reduction.advance()
+                else:  # hybrid: the slice's all-reduce across the replicas starts
+                    tag = records.tagged(f"FSDP all-reduce unit {unit.index} across replicas")
+                    with self.span("all_reduce", unit), tag:
+                        reduction.advance()
+                continue  # looked at again: done, or its all-reduce in flight
             self.pending.pop(0)
             shard = unit.shard
             mean = reduction.result(shard.dtype)
@@ -282,10 +296,10 @@ class Hooks:
         with self.span("all_gather_start", unit), tag:
             unit.unshard(async_op=True)
 
-    def free(self, unit: FlatUnit, why: str) -> None:
+    def free(self, unit: FlatUnit, why: str, keep: bool = False) -> None:
         if unit.is_gathered:
             self.debug("freed (%s)", unit, why)
-        unit.free()
+        unit.free(keep=keep)
 
     def span(self, phase: str, unit: FlatUnit | None = None) -> AbstractContextManager:
         """The profiler range ``tandem.fsdp.<phase>`` (``unit`` named in its argument), or

@@ -14,7 +14,7 @@ Example::
     names = PlainNames.of(module)                        # before flattening
     units = [FlatUnit(...), ...]                         # removes the parameters
     layout = FsdpLayout(module, tuple(units), unit_names, 3, group, rank, world_size,
-                        names.state_keys, names.param_fqns, names.key_fqn(units))
+                        names.state_keys, names.param_fqns, names.key_fqn(units), mesh, True)
     layout.signature()                                   # [[(fqn, shape), ...] per unit]
 """
 
@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tandem.parallel.fsdp.flat import FlatUnit
+from tandem.parallel.fsdp.mesh import FsdpMesh
 
 # Per unit, its parameters' (fqn, shape) in flat-buffer order: what a sharded checkpoint was cut
 # by, and must match to load.
@@ -77,7 +78,8 @@ class FsdpLayout:
             shapes and offsets (``unit.entries``).
         unit_names: each unit's module name, in the same order (``""``: the root).
         stage: 2 (whole parameters kept between steps) or 3 (freed after use).
-        process_group: the group the units are sharded over (None: the default group).
+        process_group: the group the units are sharded over (None: the default group); with
+            hybrid sharding the mesh's shard group (its row).
         rank: this process's rank in ``process_group``.
         world_size: the size of ``process_group``.
         state_keys: the plain module's ``state_dict()`` keys, in its order.
@@ -85,6 +87,10 @@ class FsdpLayout:
             optimizer over ``module.parameters()`` gives them.
         key_fqn: every ``state_dict`` key of a flattened parameter -> its fqn in its unit (tied
             weights: several keys, one fqn).
+        mesh: the shard group, the replicate group (hybrid sharding) and the grid's ranks
+            (:mod:`tandem.parallel.fsdp.mesh`).
+        reshard_after_forward: torch's setting: True (stage 3), False (stage 2), or the size
+            of the post-forward groups that keep a unit between its forward and its backward.
     """
 
     module: nn.Module
@@ -97,6 +103,8 @@ class FsdpLayout:
     state_keys: tuple[str, ...]
     param_fqns: tuple[str, ...]
     key_fqn: Mapping[str, str]
+    mesh: FsdpMesh
+    reshard_after_forward: bool | int
 
     def label(self, unit: FlatUnit) -> str:
         """How messages name ``unit``: its index and module (``#0 'inp'``, ``#2 (root)``)."""

@@ -106,9 +106,17 @@ def reshard_sharded_state_dict(layout: FsdpLayout, saved: Mapping[int, Any]) -> 
                 f"{SHARDED_FORMAT!r}); was it written by a ShardedOptimizer run?"
             )
         if (state["rank"], state["world_size"]) != (rank, world):
+            hybrid = rank >= state["world_size"] == world  # one copy per shard group
             raise ValueError(
                 f"the shard read as rank {rank} of {world} says it is rank {state['rank']} of "
                 f"{state['world_size']}"
+                + (
+                    ": a hybrid-sharded model wrote these files, every shard group a copy of "
+                    f"the {world} slices; pass one shard group's shards here, by their rank in "
+                    "it, or save a full checkpoint to load at another world size"
+                    if hybrid
+                    else ""
+                )
             )
         if [[(f, tuple(s)) for f, s in unit] for unit in state["layout"]] != layout.signature():
             raise ValueError(

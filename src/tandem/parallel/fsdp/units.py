@@ -108,16 +108,18 @@ def agree_on_units(
     group: dist.ProcessGroup | None,
     wrapper: str = "tandem.FullyShardedDataParallel",
     precision: str = "",
+    sharding: str = "",
 ) -> None:
     """Return if every rank planned the same units with the same ``precision`` (the mixed
-    precision policy, described); else ValueError on every rank.
+    precision policy, described) and ``sharding`` (the stage and mesh, described); else
+    ValueError on every rank.
 
     ``units`` is None on a rank whose ``auto_wrap`` was refused: it joins the comparison anyway
     (and raises its own error afterwards), so its peers raise too instead of waiting for it.
     The policy sets the dtypes of every collective, so it is compared in the same round.
     """
     agree(
-        (layout(units), precision),
+        (layout(units), precision, sharding),
         f"{wrapper}: the unit layout",
         group,
         explain=_first_difference,
@@ -126,12 +128,16 @@ def agree_on_units(
     )
 
 
-def _first_difference(everyone: list[tuple[Layout | None, str]]) -> str:
-    policies = [p for _, p in everyone]
-    if any(p != policies[0] for p in policies):
-        shown = "; ".join(f"rank {r}: {p or 'none'}" for r, p in enumerate(policies))
-        return f"the mixed precision differs: {shown}"
-    return first_unit_difference([lay for lay, _ in everyone])
+def _first_difference(everyone: list[tuple[Layout | None, str, str]]) -> str:
+    for what, at, also in (
+        ("mixed precision", 1, ""),
+        ("sharding", 2, " (stage, reshard_after_forward and the groups must agree as well)"),
+    ):
+        values = [e[at] for e in everyone]
+        if any(v != values[0] for v in values):
+            shown = "; ".join(f"rank {r}: {v or 'none'}" for r, v in enumerate(values))
+            return f"the {what} differs: {shown}{also}"
+    return first_unit_difference([e[0] for e in everyone])
 
 
 def plan_agreed(
@@ -140,10 +146,12 @@ def plan_agreed(
     mixed_precision: Any,
     group: dist.ProcessGroup | None,
     wrapper: str,
+    sharding: str = "",
 ) -> tuple[Planned, MixedPrecisionPolicy | None]:
     """The units (:func:`plan_units`) and the mixed precision policy, the same on every rank
-    and fitting the model; else ValueError on every rank (a rank whose input is refused still
-    joins the comparison, then raises its own error)."""
+    and fitting the model, with the same ``sharding`` (described); else ValueError on every
+    rank (a rank whose input is refused still joins the comparison, then raises its own
+    error)."""
     refused: ValueError | None = None
     planned, policy = None, None
     try:
@@ -159,7 +167,7 @@ def plan_agreed(
     # collective: the same model cut into other units, or gathered in another dtype, on one
     # rank would hang the others there, so the ranks compare both first.
     try:
-        agree_on_units(planned, group, wrapper, precision)
+        agree_on_units(planned, group, wrapper, precision, sharding)
     except ValueError:
         if refused is None:
             raise

@@ -18,9 +18,18 @@ this rank's slice only. One training step, stage 3:
 4. ``optimizer.step()`` updates the shards; the next forward gathers the new values.
 
 The hooks that run these steps are :mod:`tandem.parallel.fsdp.hooks`; this module builds the
-units and holds the public API. Stage 2 is the same without the frees: every rank keeps the
-whole parameters between steps and skips the all-gathers while its shard has not changed, so
-only gradients (reduce-scattered) and optimizer state are sharded. With ``mixed_precision``
+units and holds the public API. Stage 2 (``reshard_after_forward=False``) is the same without
+the frees: every rank keeps the whole parameters between steps and skips the all-gathers while
+its shard has not changed, so only gradients (reduce-scattered) and optimizer state are
+sharded. With ``reshard_after_forward=k`` (an int, ZeRO++'s hpZ) step 1 keeps each unit's
+parameters sharded over ``k`` ranks instead of freeing them, and step 2's all-gather runs
+within those ``k`` ranks.
+
+Hybrid sharding (``shard_group=`` with ``replicate_group=``, ``hybrid=True``, a 2-D
+``device_mesh=``; :mod:`tandem.parallel.fsdp.mesh`) runs the steps above within each shard
+group (a node, say), and adds one collective to step 3: each reduced slice is all-reduced
+across the replicate group (the same slice on the other nodes) before it is divided into a
+mean, the only collective that leaves the shard group. With ``mixed_precision``
 (:mod:`tandem.parallel.fsdp.precision`) the shards stay float32 and the units gather, compute
 and reduce in the policy's dtypes, as torch's ``fully_shard(mp_policy=...)`` does.
 
@@ -32,8 +41,9 @@ What the model is made of (units, names, group) is one record, :class:`FsdpLayou
 (``model.layout``), which the checkpoints (:mod:`tandem.parallel.fsdp.state`) read. What it does
 shows in torch's profiler as ranges ``tandem.fsdp.forward`` (one per unit forward, the unit
 named in its argument), ``tandem.fsdp.all_gather`` (a gather waited for), ``.all_gather_start``
-(a prefetch started), ``.reduce_scatter``, ``.reduce_scatter_wait`` and ``.finish_backward``;
-its decisions (prefetch, free, keep) are logged at debug level on ``tandem.fsdp``.
+(a prefetch started), ``.reduce_scatter``, ``.reduce_scatter_wait``, ``.all_reduce`` and
+``.all_reduce_wait`` (hybrid) and ``.finish_backward``; its decisions (prefetch, free, keep)
+are logged at debug level on ``tandem.fsdp``.
 """
 
 from __future__ import annotations
@@ -48,12 +58,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from tandem._dist import group_rank, group_size, require_process_group
+from tandem._dist import require_process_group
 from tandem.doctor import step_clock
 from tandem.parallel.fsdp import state as fsdp_state
 from tandem.parallel.fsdp.flat import FlatUnit
 from tandem.parallel.fsdp.hooks import Hooks
 from tandem.parallel.fsdp.layout import FsdpLayout, PlainNames
+from tandem.parallel.fsdp.mesh import FsdpMesh, post_forward_group, resolve
 from tandem.parallel.fsdp.precision import MixedPrecisionPolicy
 from tandem.parallel.fsdp.units import AutoWrap, agree_on_policy, check_fits, plan_agreed
 from tandem.parallel.grad_norm import clip_sharded_grad_norm_
@@ -72,13 +83,32 @@ class FullyShardedDataParallel(nn.Module):
     Args:
         module: the model; the same parameters and buffers on every rank (checked), then rank
             0's values everywhere.
-        stage: 3 (default) frees each unit's parameters after its forward and its backward;
-            2 keeps whole parameters on every rank and shards gradients and optimizer state.
+        stage: 3 (the default) frees each unit's parameters after its forward and its
+            backward; 2 keeps whole parameters on every rank and shards gradients and
+            optimizer state. The same as ``reshard_after_forward`` True and False (give one,
+            or two that agree).
+        reshard_after_forward: torch's ``fully_shard`` argument: True (stage 3), False (stage
+            2), or an int ``k`` dividing the shard group's size: after its forward each unit
+            stays sharded over ``k`` ranks (consecutive ranks of the shard group, e.g. a
+            node's), so that its backward's all-gather runs within them (ZeRO++'s hpZ); it
+            costs ``1/k`` of the unit's gathered parameters per rank until that backward. ``k``
+            equal to the shard group's size is True, 1 is False (as in torch).
         auto_wrap: the submodules that become units of their own: module classes
             (``{nn.TransformerEncoderLayer}``) or a predicate ``module -> bool``; None makes
             the whole model one unit (sharded at rest, gathered whole for each step). The same
             units on every rank (checked).
         process_group: the group to shard over (default: the whole world).
+        shard_group: with ``replicate_group``, hybrid sharding (torch's HSDP): parameters,
+            gradients and optimizer state sharded within ``shard_group`` (this rank's), each
+            gradient slice all-reduced across ``replicate_group`` (the ranks holding the same
+            slice in the other shard groups) after its reduce-scatter. The groups must form a
+            grid (checked on every rank): ``tandem.groups.partition(n)`` and
+            ``tandem.groups.strided(n)`` do. Alone, the same as ``process_group``.
+        replicate_group: see ``shard_group``.
+        hybrid: hybrid sharding by node: shard within the launcher's nodes
+            (``LOCAL_WORLD_SIZE`` ranks each), replicate across them. One node: flat.
+        device_mesh: a torch ``DeviceMesh``, as ``fully_shard`` takes it: one dimension
+            (shard over it) or two (replicate, shard: hybrid sharding).
         device: where shards and gathered parameters live (default: the parameters' device).
         mixed_precision: a :class:`~tandem.parallel.fsdp.precision.MixedPrecisionPolicy`
             (torch's ``torch.distributed.fsdp.MixedPrecisionPolicy`` or a dict of its fields
@@ -99,58 +129,87 @@ class FullyShardedDataParallel(nn.Module):
 
         bf16 = tandem.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         model = tandem.FullyShardedDataParallel(Net(), auto_wrap={Block}, mixed_precision=bf16)
+
+        # 4 nodes of 8: sharded over each node's 8 ranks, replicated across the 4 nodes
+        model = tandem.FullyShardedDataParallel(Net(), auto_wrap={Block}, hybrid=True)
+        # flat over all 32, but each unit kept sharded within the node for its backward
+        model = tandem.FullyShardedDataParallel(Net(), auto_wrap={Block}, reshard_after_forward=8)
+
+    Raises:
+        ValueError: on every rank: conflicting arguments (``process_group`` with
+            ``hybrid=True``, ``stage=2`` with ``reshard_after_forward=True``, ...), groups
+            that do not form a grid, a node layout ``hybrid=True`` cannot cut, a
+            ``reshard_after_forward`` that does not divide the shard group, or a model, units
+            or settings that differ across ranks.
     """
 
     def __init__(
         self,
         module: nn.Module,
         *,
-        stage: int = 3,
+        stage: int | None = None,
+        reshard_after_forward: bool | int | None = None,
         auto_wrap: AutoWrap | None = None,
         process_group: dist.ProcessGroup | None = None,
+        shard_group: dist.ProcessGroup | None = None,
+        replicate_group: dist.ProcessGroup | None = None,
+        hybrid: bool = False,
+        device_mesh: Any = None,
         device: torch.device | str | None = None,
         mixed_precision: MixedPrecisionPolicy | Any | None = None,
     ) -> None:
         super().__init__()
         wrapper = "tandem.FullyShardedDataParallel"
         require_process_group(wrapper)
-        if stage not in (2, 3):
-            raise ValueError(
-                f"stage={stage!r}: FullyShardedDataParallel implements stage 2 (gradients and "
-                "optimizer state sharded) and stage 3 (parameters too); for stage 1 use "
-                "tandem.DDP with tandem.ShardedOptimizer"
-            )
+        reshard = _reshard_setting(stage, reshard_after_forward, wrapper)
+        mesh = resolve(
+            process_group=process_group,
+            shard_group=shard_group,
+            replicate_group=replicate_group,
+            hybrid=hybrid,
+            device_mesh=device_mesh,
+            wrapper=wrapper,
+        )
+        reshard = _within_row(reshard, mesh, wrapper)
         self.module = module
+        # Checks and broadcasts span the whole grid: the replicas must start alike too.
+        everyone = mesh.everyone.group
         # Parameters and buffers: the buffers are broadcast below as one flat buffer, whose
         # size must match on every rank.
-        verify_same_model(module, process_group, wrapper=wrapper)
+        verify_same_model(module, everyone, wrapper=wrapper)
         names = PlainNames.of(module)  # before flattening takes the parameters away
-        planned, policy = plan_agreed(module, auto_wrap, mixed_precision, process_group, wrapper)
+        sharding = f"reshard_after_forward={reshard!r} over {mesh.describe()}"
+        planned, policy = plan_agreed(
+            module, auto_wrap, mixed_precision, everyone, wrapper, sharding
+        )
         self.mixed_precision = policy
+        post = post_forward_group(mesh, reshard) if not isinstance(reshard, bool) else None
         units: list[FlatUnit] = []
         unit_of_module: dict[int, FlatUnit] = {}
         for _, m, params in planned:
             target = torch.device(device) if device is not None else params[0][2].device
             dtypes = (None, None) if policy is None else (policy.param_dtype, policy.reduce_dtype)
-            unit = FlatUnit(len(units), params, process_group, target, *dtypes)
+            unit = FlatUnit(len(units), params, mesh, target, *dtypes, post_forward=post)
             units.append(unit)
             unit_of_module[id(m)] = unit
         # What stays replicated (buffers, frozen parameters) moves whole and takes rank 0's
         # values; the trainable parameters were broadcast unit by unit above.
         if device is not None:
             module.to(device)
-        broadcast_coalesced([*module.parameters(), *module.buffers()], process_group)
+        broadcast_coalesced([*module.parameters(), *module.buffers()], everyone)
         self.layout = FsdpLayout(
             module=module,
             units=tuple(units),
             unit_names=tuple(name for name, _, _ in planned),
-            stage=stage,
-            process_group=process_group,
-            rank=group_rank(process_group),
-            world_size=group_size(process_group),
+            stage=2 if reshard is False else 3,
+            process_group=mesh.shard.group,
+            rank=mesh.shard.rank,
+            world_size=mesh.shard.size,
             state_keys=names.state_keys,
             param_fqns=names.param_fqns,
             key_fqn=names.key_fqn(units),
+            mesh=mesh,
+            reshard_after_forward=reshard,
         )
         self.flat_params = nn.ParameterList([u.shard for u in units])
         self._hooks = Hooks(self.layout, unit_of_module.get(id(module)), policy)
@@ -159,7 +218,7 @@ class FullyShardedDataParallel(nn.Module):
                 self._hooks.register(m, unit_of_module[id(m)])
         for unit in units:  # gathered since construction
             unit.attach(requires_grad=False)
-            if stage == 3:
+            if self.layout.stage == 3:
                 unit.free()
         # Fused optimizers update the shards without bumping their version counters, so the
         # version alone cannot tell stage 2 that its gathered parameters went stale.
@@ -176,11 +235,28 @@ class FullyShardedDataParallel(nn.Module):
 
     @property
     def stage(self) -> int:
+        """2 (whole parameters kept between steps) or 3 (sharded between uses)."""
         return self.layout.stage
 
     @property
+    def reshard_after_forward(self) -> bool | int:
+        """True, False, or the size of the groups that keep a unit from forward to backward."""
+        return self.layout.reshard_after_forward
+
+    @property
     def process_group(self) -> dist.ProcessGroup | None:
+        """The group the units are sharded over (hybrid: this rank's shard group)."""
         return self.layout.process_group
+
+    @property
+    def replicate_group(self) -> dist.ProcessGroup | None:
+        """The group the shards are replicated across (None: flat sharding)."""
+        return self.layout.mesh.replicate.group if self.layout.mesh.hybrid else None
+
+    @property
+    def mesh(self) -> FsdpMesh:
+        """This rank's shard group, replicate group and the grid's ranks, as records."""
+        return self.layout.mesh
 
     @property
     def rank(self) -> int:
@@ -252,7 +328,7 @@ class FullyShardedDataParallel(nn.Module):
                 "back by no_sync(), are pending; call it between optimizer steps"
             )
         wrapper = "tandem.FullyShardedDataParallel.set_mixed_precision"
-        policy = agree_on_policy(mixed_precision, self.process_group, wrapper)
+        policy = agree_on_policy(mixed_precision, self.mesh.everyone.group, wrapper)
         if policy is not None:
             trainable = [(e.fqn, u.shard) for u in self.units for e in u.entries]
             check_fits(policy, self.module, trainable)
@@ -377,6 +453,48 @@ class FullyShardedDataParallel(nn.Module):
         return clip_sharded_grad_norm_(
             self.parameters(), max_norm, norm_type, group=self.process_group
         )
+
+
+def _reshard_setting(stage: Any, reshard_after_forward: Any, wrapper: str) -> bool | int:
+    """``stage`` and ``reshard_after_forward`` as one setting (True, False or an int); a
+    ValueError when either is not one or they disagree (no communication)."""
+    if stage is not None and (isinstance(stage, bool) or stage not in (2, 3)):
+        raise ValueError(
+            f"stage={stage!r}: FullyShardedDataParallel implements stage 2 (gradients and "
+            "optimizer state sharded) and stage 3 (parameters too); for stage 1 use "
+            "tandem.DDP with tandem.ShardedOptimizer"
+        )
+    value = reshard_after_forward
+    if value is not None and (not isinstance(value, int) or (type(value) is int and value < 1)):
+        raise ValueError(
+            f"{wrapper}: reshard_after_forward={value!r}: give True (stage 3), False (stage 2) "
+            "or a positive int, the number of ranks a unit stays sharded over between its "
+            "forward and its backward"
+        )
+    if stage is not None and value is not None and value is not (stage == 3):
+        raise ValueError(
+            f"{wrapper}: stage={stage} and reshard_after_forward={value!r} disagree: stage=3 "
+            "is reshard_after_forward=True and stage=2 is False; pass one of them"
+        )
+    if value is None:
+        return stage != 2
+    return value
+
+
+def _within_row(reshard: bool | int, mesh: FsdpMesh, wrapper: str) -> bool | int:
+    """An int ``reshard_after_forward`` checked against the shard group; torch's rule: 1 is
+    False, the group's size True."""
+    if isinstance(reshard, bool):
+        return reshard
+    size = mesh.shard.size
+    if size % reshard:
+        divisors = [d for d in range(1, size + 1) if size % d == 0]
+        raise ValueError(
+            f"{wrapper}: reshard_after_forward={reshard} does not divide the {size} ranks of the "
+            f"shard group, so they cannot keep equal slices; give one of {divisors}, True or "
+            "False"
+        )
+    return False if reshard == 1 else True if reshard == size else reshard
 
 
 class _StepWatcher:
