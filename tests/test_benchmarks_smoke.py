@@ -8,7 +8,9 @@ a run this short measures nothing, and a benchmark is not a test. Each runs in a
 own because benchmarks set process-wide state (``torch.set_num_threads(1)``).
 
 ``launch_probe.py`` (started by ``launch.py``) and ``sharded_contenders.py`` (imported by
-``sharded.py``) run as parts of those two.
+``sharded.py``) run as parts of those two. ``recovery.py --netns`` (a node's link taken down,
+each rank a network namespace) runs once more on its own, skipped with the reason where
+namespaces or a bridge cannot be made.
 """
 
 from __future__ import annotations
@@ -23,6 +25,12 @@ import pytest
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 TINY = {
+    # Two network-namespace nodes, unshaped; where namespaces cannot be made (no root), the
+    # script says why, writes "skipped" into its JSON and exits 0.
+    "across_nodes": [
+        "--width", "16", "--blocks", "2", "--batch", "4", "--warmup", "1", "--rounds", "1",
+        "--steps", "1", "--rate-mbit", "0", "--delay-ms", "0", "--timeout", "150",
+    ],
     "ddp_throughput": [
         "--world", "2", "--pairs", "1", "--steps", "1", "--warmup", "1",
         "--models", "deep_200x16", "--interleave", "step",  # the warm-up runs a whole round
@@ -61,11 +69,31 @@ def test_every_benchmark_has_a_tiny_run():
 @pytest.mark.launch
 @pytest.mark.parametrize("name", sorted(TINY))
 def test_tiny_run(name, tmp_path):
+    tiny_run(name, TINY[name], tmp_path)
+
+
+@pytest.mark.launch
+def test_tiny_run_of_recovery_on_namespace_nodes(tmp_path):
+    from tests.launch.netns_switch import can_make_switch
+
+    ok, reason = can_make_switch()
+    if not ok:
+        pytest.skip(reason)
+    # 3 nodes: the 2 left hold the majority that goes on.
+    written = tiny_run("recovery", ["--netns", "--ways", "link", "--trials", "1", "--nproc",
+                                    "3", "--after", "2", "--timeout", "150"], tmp_path)  # fmt: skip
+    assert written["ways"]["link"]["n"] == 1, written["ways"]["link"]["failures"]
+
+
+def tiny_run(name: str, args: list[str], tmp_path: Path) -> dict:
+    """Runs ``benchmarks/<name>.py args``; what it wrote to its JSON."""
     out = tmp_path / f"{name}.json"
-    cmd = [sys.executable, str(BENCHMARKS / f"{name}.py"), *TINY[name], "--json", str(out)]
+    cmd = [sys.executable, str(BENCHMARKS / f"{name}.py"), *args, "--json", str(out)]
     # About 5-15 s each on 2 idle cores (most of it the workers' `import torch`); the limit
     # leaves room for a machine shared with other jobs.
     run = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=180)
     assert run.returncode == 0, f"{' '.join(cmd)}\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
     assert f"JSON: {out}" in run.stdout
-    assert "meta" in json.loads(out.read_text())
+    written = json.loads(out.read_text())
+    assert "meta" in written
+    return written
