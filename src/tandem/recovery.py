@@ -114,7 +114,11 @@ PREFIX = f"tandem/{key_scope()}recover/"
 ABLE = "1"
 _BEAT_S = 0.5
 _POLL_S = 0.005
-_COMMIT_SLICE = timedelta(seconds=0.05)
+#: The commit's wait on its keys is a long one: the heartbeat thread ends it when a member is
+#: gone (:meth:`Membership.end_commit`); these slices only look again for what it may not see.
+#: (A short timeout of torch's ``TCPStore.wait`` can return seconds late when several clients
+#: wait on the same keys: a commit must not lean on it.)
+_COMMIT_SLICE_S = 1.0
 
 
 class MembershipError(RuntimeError):
@@ -179,6 +183,8 @@ class Membership:
         self.joiners_seen = 0
         self.admitted = 0
         self.admits = False  # whether this loop can hand a replacement the state
+        # The commit this rank waits in (its keys, its outcome's key), for the heartbeat thread.
+        self.in_commit: tuple[list[str], str] | None = None
 
     @property
     def rank(self) -> int:
@@ -240,16 +246,22 @@ class Membership:
         self.store.set(keys[self.rank], value)
         next_gen = self.key(f"gen{self.generation + 1}", "join")
         proposal = "ok"
-        while True:
-            try:
-                # Returns the moment the last key is set; a slice that runs out looks for a
-                # member gone (a few store calls) before waiting again.
-                self.store.wait(keys, _COMMIT_SLICE)
-                break
-            except dist.DistStoreError:
-                if self.gone() or _any_key(self.store, next_gen, self.members):
-                    proposal = "ok" if self.store.check(keys) else "abort"
+        self.in_commit = (keys, outcome)
+        slice_ = timedelta(seconds=max(_COMMIT_SLICE_S, self.heartbeat_timeout))
+        try:
+            while True:
+                try:
+                    # Returns the moment the last key is set: a member's, or the heartbeat
+                    # thread's ending the commit once a member is gone (end_commit); a slice
+                    # that runs out looks for a member gone itself before waiting again.
+                    self.store.wait(keys, slice_)
                     break
+                except dist.DistStoreError:
+                    if self.gone() or _any_key(self.store, next_gen, self.members):
+                        proposal = "ok" if self.store.check(keys) else "abort"
+                        break
+        finally:
+            self.in_commit = None
         if proposal == "ok" and self.admits and self.joiners_seen > self.admitted:
             proposal = f"grow:{self.joiners_seen}"  # admit them after this step
         decided = _text(self.store.compare_set(outcome, "", proposal))
@@ -260,6 +272,22 @@ class Membership:
             if self.rank == 0:
                 self.stale.append(self.key(f"gen{self.generation}", "outcome", step - 2))
         return int(decided.removeprefix("grow:")) if decided.startswith("grow:") else 0
+
+    def end_commit(self, store: dist.Store) -> None:
+        """A member is gone (the heartbeat thread calls it, with its own store client): end
+        the commit this rank waits in, unless every member's key is there (then it commits).
+        Its outcome is proposed ``abort`` (``compare_set``: a member that saw every key first
+        decides it ``ok`` instead), and once ``abort`` is the outcome the keys still missing
+        are set (to ``gone``), so that every member's wait returns at once and follows it; a
+        member that is only late finds the outcome when it gets there."""
+        pending = self.in_commit
+        if pending is None:
+            return
+        keys, outcome = pending
+        if store.check(keys) or _text(store.compare_set(outcome, "", "abort")) != "abort":
+            return
+        for key in keys:
+            store.compare_set(key, "", "gone")
 
     def grow(self, count: int) -> list[int]:
         """Admit the replacements queued up to ``count`` (the commit's outcome said so): the
@@ -378,12 +406,23 @@ class _Heartbeat(threading.Thread):
                 self.store.set(key, repr(time.time()))
                 self.members.tidy(self.store)
                 self.members.joiners_seen = int(self.store.add(self.members.key("joiners"), 0))
-                with self.lock:
-                    gone = self.members.gone(self.store)
-                    if gone and mismatch.failed is None:
-                        mismatch.fail(
-                            f"rank(s) {sorted(gone)} of the job left", _Lost, wait_for_others=False
-                        )
+                # A re-form holds the lock while the members agree, as long as the slowest of
+                # them takes to notice the loss, and decides who is gone itself: the beat goes
+                # on meanwhile, or the others would count this rank silent and its watchdog
+                # would take the wait for the store's.
+                if self.lock.acquire(blocking=False):
+                    try:
+                        gone = self.members.gone(self.store)
+                        if gone and mismatch.failed is None:
+                            mismatch.fail(
+                                f"rank(s) {sorted(gone)} of the job left",
+                                _Lost,
+                                wait_for_others=False,
+                            )
+                        if gone:  # every beat: a commit begun since is ended too
+                            self.members.end_commit(self.store)
+                    finally:
+                        self.lock.release()
                 self._answered = time.monotonic()
             except Exception as error:  # the connection broke: the store's node is down
                 if not self.stopped.is_set():  # else the loop is done and the job ending
@@ -518,6 +557,23 @@ class Recoverer:
             newcomers, step, self.members.rank, self.members.world_size,
         )  # fmt: skip
         return newcomers
+
+    def hand_over(self, state: Any, own: Any = None) -> tuple[Any, list[Any]]:
+        """Admitting replacements, over the group :meth:`grow` formed (a collective: the members
+        call it once they have grown and wrapped their model anew, a newcomer as it takes over):
+        rank 0's ``state`` to every rank, and every rank's ``own`` (a newcomer's: None) to every
+        rank, in rank order. Returns both.
+
+        Example::
+
+            state, owns = recoverer.hand_over({"optimizer": opt.state_dict()}, own=mine)
+        """
+        assert self.members is not None
+        handed: list[Any] = [state if self.members.rank == 0 else None]
+        dist.broadcast_object_list(handed, src=0)
+        owns: list[Any] = [None] * self.members.world_size
+        dist.all_gather_object(owns, own)
+        return handed[0], owns
 
     def committed_states(self) -> list[str]:
         """Every member's value of the last commit, in the order of the members then (new rank
@@ -878,8 +934,9 @@ class Run:
         while count:
             self.recoverer.grow(self.step_count, count, self._release)
             self.model = self._wrap()  # its constructor broadcasts rank 0's parameters
-            mine = {"optimizer": self.optimizer.state_dict(), "run": self.state_dict()}
-            dist.broadcast_object_list([mine if self.rank == 0 else None], src=0)
+            self.recoverer.hand_over(
+                {"optimizer": self.optimizer.state_dict(), "run": self.state_dict()}
+            )
             self._start_sampler()
             count = self.recoverer.commit(self.step_count - 1, encode(compact_rng_state()))
 
@@ -888,10 +945,9 @@ class Run:
         the wrapper's constructor), start its generators where a resume at this world size
         would (:func:`newcomer_seed`), and commit the new generation's start with the
         members."""
-        state: list[Any] = [None]
-        dist.broadcast_object_list(state, src=0)
-        self.optimizer.load_state_dict(state[0]["optimizer"])
-        self.load_state_dict(state[0]["run"])
+        state, _ = self.recoverer.hand_over(None)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.load_state_dict(state["run"])
         seed_rng(newcomer_seed(self.seed, self.step_count, self.rank))
         self._admit(self.recoverer.commit(self.step_count - 1, encode(compact_rng_state())))
 

@@ -230,7 +230,8 @@ def test_max_restarts_starts_a_replacement_and_stops_it_if_nobody_admits_it():
 
 @pytest.mark.timeout(120)
 def test_no_replacement_is_started_for_workers_that_do_not_admit_one():
-    """A Trainer recovers in memory but does not admit replacements yet: no process is started
+    """Workers that recover in memory without saying they admit replacements (a hand-written
+    loop over the recovery API that cannot hand a newcomer its state): no process is started
     that nobody would let in."""
     result = tandem_run(
         "--recover", "in-memory", "--max-restarts", "2", "--nproc-per-node", "2", WORKER,

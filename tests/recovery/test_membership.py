@@ -4,7 +4,8 @@ Proves: survivors that race to decide agree on one member list (the first decisi
 rank reads it); a rank that the others counted as gone is told so and stops; a side holding no
 majority of the ranks not known dead stops instead of training on its own (a partition), while
 ranks the launcher marked dead do not count against the majority; silence longer than the
-heartbeat timeout counts as gone.
+heartbeat timeout counts as gone, and a rank waiting in the re-form longer than that for a
+live peer keeps beating (neither silent to the others nor cut off in its own eyes).
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from tandem.recovery import PREFIX, Membership, MembershipError
+from tandem.doctor import mismatch
+from tandem.recovery import PREFIX, Membership, MembershipError, _Heartbeat
 from tests.harness import free_port
 
 
@@ -183,3 +185,36 @@ def test_the_keys_of_steps_every_member_is_past_are_deleted_off_the_steps_path(s
     assert [s for s in range(4) if probe.check([f"{PREFIX}gen0/commit/{s}/0"])] == [2, 3]
     assert [s for s in range(4) if probe.check([f"{PREFIX}gen0/outcome/{s}"])] == [2, 3]
     assert members[1].committed_values(3) == {0: "0@3", 1: "1@3"}
+
+
+def test_a_rank_waiting_in_the_reform_for_a_live_peer_keeps_beating(store_address, monkeypatch):
+    """The re-form holds the heartbeat's lock while the members agree, which lasts as long as
+    the slowest takes to notice the loss (a peer still in a long step): the beat goes on, so
+    that the others do not count the waiting rank silent and its watchdog does not take the
+    wait for the store's silence (it did, and the rank stopped as cut off: found by the soak)."""
+    monkeypatch.setenv("MASTER_ADDR", store_address[0])
+    monkeypatch.setenv("MASTER_PORT", str(store_address[1]))
+    me = Membership(client(store_address), 0, [0, 1], heartbeat_timeout=1.0)
+    late = Membership(client(store_address), 1, [0, 1], heartbeat_timeout=1.0)
+    heartbeat = _Heartbeat(me)
+
+    def slow_peer() -> None:  # alive and beating; joins the re-form 1.8 s late
+        until = time.monotonic() + 1.8
+        while time.monotonic() < until:
+            beat(store_address, [1])
+            time.sleep(0.2)
+        late.reform()
+
+    peer = threading.Thread(target=slow_peer)
+    heartbeat.start()
+    peer.start()
+    try:
+        with heartbeat.lock:  # as Recoverer.reform holds it
+            assert me.reform() == []
+        peer.join(10)
+        assert heartbeat.cut_off is None
+        assert late.silent() == set()
+    finally:
+        heartbeat.stopped.set()
+        heartbeat.join(5)
+        mismatch.reset()

@@ -33,8 +33,12 @@ pytestmark = [pytest.mark.launch, pytest.mark.xdist_group("recovery")]
 WORKER = "tests.recovery.trainer_worker"
 
 
-def launch(nproc: int, run_dir: Path, *args: str, recover: bool = False):
+def launch(nproc: int, run_dir: Path, *args: str, recover: bool = False, replacements: int = 0):
+    """The Trainer script at ``nproc`` ranks; ``recover``: under ``--recover in-memory``, with
+    ``--max-restarts replacements``."""
     flags = ["--recover", "in-memory", "--heartbeat-timeout", "2"] if recover else []
+    if replacements:
+        flags += ["--max-restarts", str(replacements)]
     return run_job(nproc, flags, WORKER, str(run_dir), *args)
 
 
@@ -49,10 +53,11 @@ def half(tmp_path_factory) -> Path:
     return run_dir
 
 
-def resumed(half: Path, where: Path, nproc: int) -> dict:
-    """``half``'s run resumed at ``nproc`` ranks to the end, in a copy at ``where``."""
+def resumed(half: Path, where: Path, nproc: int, *args: str) -> dict:
+    """``half``'s run resumed at ``nproc`` ranks to the end (or as ``args`` say), in a copy at
+    ``where``; its final checkpoint."""
     shutil.copytree(half, where)
-    launch(nproc, where, "--resume")
+    launch(nproc, where, "--resume", *args)
     return final(where)
 
 

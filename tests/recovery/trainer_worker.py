@@ -1,7 +1,9 @@
 """A worker of the Trainer's recovery tests: an unchanged Trainer script, with a fault injected.
 
     python -m tests.recovery.trainer_worker RUN_DIR [--kill RANK:STEP:WHERE ...]
-                                                    [--max-steps K] [--resume]
+                                                    [--max-steps K] [--resume] [--epochs E]
+                                                    [--step-sleep S] [--pids DIR]
+                                                    [--newcomer-seed-mutant]
 
 The script is what a user writes (a Trainer over an MLP with dropout, SGD with momentum, an
 evaluation set, a step log, checkpoints every 3 steps and at the end); nothing in it knows of
@@ -12,7 +14,15 @@ writes the checkpoint of step STEP), ``hang`` (SIGSTOP before the backward) or `
 in its training step once the world has shrunk: in the redo after another rank's loss, a second
 loss before that redo commits); ``--kill`` may be repeated. ``--max-steps K``
 trains K steps and stops (the oracle's first half: it saves at the end); ``--resume`` continues
-from the latest checkpoint (the second half, at another world size).
+from the latest checkpoint (the second half, at another world size). ``--epochs E``: the run's
+``max_epochs`` (default 2).
+
+For the replacement test: ``--step-sleep S`` sleeps S seconds in every training step while the
+world is smaller than the job started (a replacement has time to start and be admitted);
+``--pids DIR`` makes every worker write its process id to ``DIR/<launch rank>`` as it starts
+(a replacement too, before it waits to be admitted); ``--newcomer-seed-mutant`` seeds the
+generators of a rank that a resume at a larger world size adds (the one an admitted replacement
+takes the place of) otherwise: a mutant the test's comparison must catch.
 """
 
 from __future__ import annotations
@@ -21,6 +31,8 @@ import argparse
 import faulthandler
 import os
 import signal
+import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +41,7 @@ from torch.utils.data import TensorDataset
 
 import tandem
 from tandem.checkpoint import checkpointer
+from tandem.train import run_state
 
 
 def data(n: int, seed: int) -> TensorDataset:
@@ -44,21 +57,34 @@ def main() -> None:
     parser.add_argument("--kill", action="append", default=[])
     parser.add_argument("--max-steps", type=int, default=None)
     parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--step-sleep", type=float, default=0.0)
+    parser.add_argument("--pids", default=None)
+    parser.add_argument("--newcomer-seed-mutant", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
     faulthandler.register(signal.SIGUSR1, all_threads=True)
-    tandem.init()
     me = int(os.environ["RANK"])
+    if args.pids:
+        Path(args.pids, str(me)).write_text(str(os.getpid()))
+    if args.newcomer_seed_mutant:
+        seed = run_state.derived_seed
+        run_state.derived_seed = lambda *parts: seed(*parts) + 1  # type: ignore[assignment]
+    tandem.init()
     mine = [kill.split(":")[1:] for kill in args.kill if int(kill.split(":")[0]) == me]
     at, where = mine[0] if mine else ("-1", "")
     dies = bool(mine)
     size = int(os.environ["WORLD_SIZE"])
+    # A replacement's WORLD_SIZE is not the job's: it joins a full world and never sleeps.
+    started = 0 if os.environ.get("TANDEM_RECOVER_JOIN") else size
 
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Dropout(0.25), nn.Linear(16, 2))
     torch.manual_seed(100 + me)  # every rank draws its own dropout masks
 
     def training_step(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        if tandem.world().world_size < started:
+            time.sleep(args.step_sleep)
         x, y = batch
         loss = F.cross_entropy(model(x), y)
         if dies and trainer.step == int(at) and where == "forward":
@@ -80,7 +106,7 @@ def main() -> None:
         data(96, 7),
         eval_data=data(20, 8),
         batch_size=4,
-        max_epochs=2,
+        max_epochs=args.epochs,
         max_steps=args.max_steps,
         eval_every=4,
         log_every=2,

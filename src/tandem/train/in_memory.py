@@ -25,6 +25,21 @@ world size, from a checkpoint written at the last committed step. Nothing is rea
 So a run that loses a rank at step k ends bitwise where "train to step k, save, resume at the
 new size" ends.
 
+**Growing back** (``--max-restarts N``, one node): the Trainer admits replacements. The launcher
+starts one for a lost rank; its ``tandem.init()`` queues it in the store
+(:mod:`tandem.job.join`), and the commit whose outcome names it (``grow:<n>``) makes every
+member admit it after that step's boundary (its log record, evaluation and checkpoint, done at
+the old size; :meth:`InMemory.admit`). The group grows with it
+(:meth:`tandem.recovery.Recoverer.grow`), the members build anew what depends on the world,
+and the newcomer's own Trainer (made by the user's unchanged script, skipping its ``resume``)
+makes the same collectives in its constructor, then takes the run from rank 0 over the new
+group (:meth:`tandem.recovery.Recoverer.hand_over`, nothing from disk): the parameters (the
+wrapper's broadcast), the optimizer's state, the shared state of a checkpoint written at that
+boundary, and every member's own part. Every rank loads these with the code a resume at the
+larger world size runs (the newcomer's generators are seeded as such a resume seeds a rank the
+checkpoint had not), and the new generation's start is committed. So the run ends bitwise where
+the chain of saves and resumes with the same membership schedule ends.
+
 A set-up whose state is sharded across ranks (tandem.FullyShardedDataParallel, a
 ShardedOptimizer) or that the Trainer did not wrap itself is not recovered in memory: the
 Trainer says so at its start, and a lost rank then ends the job as under ``--recover restart``.
@@ -34,16 +49,19 @@ Example::
     recovery = InMemory(trainer)          # inactive outside --recover in-memory
     recovery.keep(trainer)                # after every optimizer step
     recovery.commit(trainer, step)        # before it
+    recovery.admit(trainer)               # at a step boundary: replacements the commit named
 """
 
 from __future__ import annotations
 
 import logging
+import pickle
 from typing import Any, Protocol
 
 import torch
 
 from tandem.checkpoint.rng import compact_rng_state, expand_rng_state
+from tandem.job import join
 from tandem.parallel.adapters import model_state, optimizer_state
 from tandem.parallel.engine import Engine
 from tandem.recovery import Recoverer, declare_unable, decode, enabled, encode
@@ -71,7 +89,7 @@ class Trainer(Protocol):
 
     def _release_world(self) -> None: ...
 
-    def _build_world(self) -> None: ...
+    def _build_world(self, log_from: int) -> None: ...
 
 
 def why_not(trainer: Trainer) -> str | None:
@@ -89,11 +107,25 @@ def why_not(trainer: Trainer) -> str | None:
     return None
 
 
+def replacing() -> bool:
+    """Whether this process is a replacement admitted into a running job (``tandem run
+    --recover in-memory --max-restarts``): its Trainer takes the run from the members
+    (:class:`InMemory`), not from a checkpoint.
+
+    Example::
+
+        if resume is not None and not replacing():
+            resume_from_disk(resume)
+    """
+    return join.admitted is not None
+
+
 class InMemory:
     """One rank's recovery in memory for a Trainer (see the module doc).
 
     Args:
-        trainer: the Trainer, built (engine, loaders, run state).
+        trainer: the Trainer, built (engine, loaders, run state). A replacement's takes the
+            run's state from the members here.
     """
 
     def __init__(self, trainer: Trainer) -> None:
@@ -101,9 +133,16 @@ class InMemory:
         self.kept: dict[str, Any] | None = None
         self.after_step = False  # the state kept is a step's (not train()'s start)
         self.refused: str | None = None
+        self.growing = 0  # replacements the last commit's outcome admits (queued up to)
         if not enabled() or trainer.world.world_size == 1:
             return
         self.refused = why_not(trainer)
+        if self.refused is not None and replacing():
+            # The members admit none with such a set-up: a script that differs between them.
+            raise RuntimeError(
+                f"a replacement whose Trainer cannot be recovered in memory ({self.refused}), "
+                "while the members' could: every process must run the same script"
+            )
         if self.refused is not None:
             declare_unable(self.refused)
             if trainer.world.is_main:
@@ -114,7 +153,9 @@ class InMemory:
                     self.refused,
                 )
             return
-        self.recoverer = Recoverer()
+        self.recoverer = Recoverer(admits=True)
+        if self.recoverer.joined:
+            self._take_over(trainer)
 
     @property
     def active(self) -> bool:
@@ -134,20 +175,14 @@ class InMemory:
         leaving this rank's own part of the run in the store."""
         if self.recoverer is None:
             return
-        saved = SavedRun(trainer.state, trainer.log.window, world_size=trainer.world.world_size)
-        self.recoverer.commit(step, encode(saved.rank_state_dict(compact_rng_state)))
+        value = encode(_saved_run(trainer).rank_state_dict(compact_rng_state))
+        self.growing = self.recoverer.commit(step, value)
 
     def keep(self, trainer: Trainer) -> None:
         """The shared state right after an optimizer step, the point a recovery goes back to."""
         if self.recoverer is None:
             return
-        saved = SavedRun(trainer.state, trainer.log.window, world_size=trainer.world.world_size)
-        scheduler, scaler = trainer.scheduler, trainer._scaler_state
-        self.kept = {
-            "trainer": saved.state_dict(),
-            "scheduler": None if scheduler is None else scheduler.state_dict(),
-            "scaler": None if scaler is None else scaler.state_dict(),
-        }
+        self.kept = _shared_state(trainer)
         self.after_step = True
 
     def lost(self, error: BaseException) -> bool:
@@ -162,21 +197,52 @@ class InMemory:
         """
         assert self.recoverer is not None and self.recoverer.members is not None
         assert self.kept is not None
+        self.growing = 0  # the queue stays: the new generation's next commit names it again
         self.recoverer.reform(trainer.state.step, trainer._release_world)
         states = [decode(value) for value in self.recoverer.committed_states()]
         for state in states:
             state["rng"] = expand_rng_state(state["rng"])
-        trainer._build_world()
-        saved = SavedRun(trainer.state, trainer.log.window, world_size=trainer.world.world_size)
-        saved.load_state_dict(self.kept["trainer"])
-        saved.load_rank_state_dicts(states, trainer.world.rank)
-        if trainer.scheduler is not None:
-            trainer.scheduler.load_state_dict(self.kept["scheduler"])
-        if trainer._scaler_state is not None:
-            trainer._scaler_state.load_state_dict(self.kept["scaler"])
-        trainer.optimizer.zero_grad()  # what the failed step's backward left
+        step = self.kept["trainer"]["step"]
+        # The step's log record is written again where its boundary is done again.
+        trainer._build_world(log_from=max(step - 1, 0) if self.after_step else step)
+        _load(trainer, self.kept, states)
         trainer.state.restore_rng()
         return self.after_step
+
+    def admit(self, trainer: Trainer) -> None:
+        """Admit the replacements the last commit's outcome named (every member at the same
+        step boundary, once that step's boundary is done; see the module doc): grow the group,
+        build anew what depends on the world, hand the newcomers the run, and go on from what
+        a checkpoint written here would hold, as a resume at the larger world size does. The
+        new generation's start is committed, and may name more replacements: admitted in turn.
+
+        Raises:
+            MembershipError: this rank cannot go on (:mod:`tandem.recovery`).
+        """
+        while self.growing:
+            assert self.recoverer is not None
+            step = trainer.state.step
+            # Taken before the group changes: nothing the rebuilding draws or adds counts.
+            shared = {**_shared_state(trainer), "optimizer": trainer.optimizer.state_dict()}
+            own = _saved_run(trainer).rank_state_dict()
+            self.recoverer.grow(step, self.growing, trainer._release_world)
+            # The same collectives, in the same order, as a newcomer's Trainer constructor:
+            # tandem.DDP's (its broadcast gives the newcomers the parameters), the run
+            # directory's check, the loggers' opening (no record is dropped).
+            trainer._build_world(log_from=step)
+            shared, owns = self.recoverer.hand_over(shared, own)
+            _load(trainer, shared, [state for state in owns if state is not None])
+            trainer.state.restore_rng()
+            self.start(trainer)  # sets growing anew
+
+    def _take_over(self, trainer: Trainer) -> None:
+        """A replacement, admitted (its constructor made the members' collectives): take the
+        run from them. Its generators are restored where a resumed run's are, as
+        ``train()`` starts: a rank the members' run had not is seeded as a resume seeds it."""
+        assert self.recoverer is not None
+        shared, owns = self.recoverer.hand_over(None)
+        trainer.optimizer.load_state_dict(shared["optimizer"])
+        _load(trainer, shared, [state for state in owns if state is not None])
 
     def committed(self) -> None:
         if self.recoverer is not None:
@@ -185,3 +251,37 @@ class InMemory:
     def close(self) -> None:
         if self.recoverer is not None:
             self.recoverer.close()
+
+
+def _saved_run(trainer: Trainer) -> SavedRun:
+    return SavedRun(trainer.state, trainer.log.window, world_size=trainer.world.world_size)
+
+
+def _shared_state(trainer: Trainer) -> dict[str, Any]:
+    """The run's state that every rank shares, as a checkpoint's entries hold it, with
+    tandem.DDP's bucket order: at 3 ranks and more Gloo's sums round otherwise in buckets laid
+    out otherwise, so a wrapper made anew takes the old one's, as a resume does. Copied (through
+    pickle: small lists, quick), since the reducer appends to its own until it has rebuilt."""
+    scheduler, scaler = trainer.scheduler, trainer._scaler_state
+    buckets = trainer.engine.model_state.engine_state()
+    return {
+        "trainer": _saved_run(trainer).state_dict(),
+        "engine": None if buckets is None else pickle.loads(pickle.dumps(buckets)),
+        "scheduler": None if scheduler is None else scheduler.state_dict(),
+        "scaler": None if scaler is None else scaler.state_dict(),
+    }
+
+
+def _load(trainer: Trainer, shared: dict[str, Any], states: list[dict[str, Any]]) -> None:
+    """Load the shared state and every saved rank's own part (in rank order) with the code a
+    resume from a checkpoint at any world size runs; the generators wait for
+    ``trainer.state.restore_rng()``."""
+    trainer.engine.model_state.load_engine_state(shared["engine"])
+    saved = _saved_run(trainer)
+    saved.load_state_dict(shared["trainer"])
+    saved.load_rank_state_dicts(states, trainer.world.rank)
+    if trainer.scheduler is not None:
+        trainer.scheduler.load_state_dict(shared["scheduler"])
+    if trainer._scaler_state is not None:
+        trainer._scaler_state.load_state_dict(shared["scaler"])
+    trainer.optimizer.zero_grad()  # what a failed step's backward left

@@ -53,7 +53,7 @@ from tandem.recovery import MembershipError
 from tandem.train import arguments
 from tandem.train.arguments import OptimizerArg, SchedulerArg
 from tandem.train.evaluation import evaluate, lockstep_forwards
-from tandem.train.in_memory import InMemory
+from tandem.train.in_memory import InMemory, replacing
 from tandem.train.loaders import Loaders, make_loaders
 from tandem.train.loggers import LoggerArg, check_loggers
 from tandem.train.metrics_log import Summary, epoch_line, write_metrics
@@ -108,7 +108,9 @@ class Trainer:
     every rank's RNG states and tandem.DDP's bucket order, so the run ends bitwise where the
     uninterrupted run would. Under ``tandem run --recover in-memory`` a lost rank costs the step
     in flight, not the run: the others go on at the smaller size from the state they hold, as
-    if resumed from a checkpoint of the last step (:mod:`tandem.train.in_memory`).
+    if resumed from a checkpoint of the last step (:mod:`tandem.train.in_memory`); with
+    ``--max-restarts`` the launcher's replacement is admitted at a step boundary and handed the
+    run by the others (its ``resume`` is not read).
 
     Batches: by default ``(inputs, targets)``, and ``loss_fn(model(inputs), targets)`` is the
     batch's mean loss (evaluation adds the accuracy when outputs are class scores for integer
@@ -356,7 +358,7 @@ class Trainer:
         self._make_loaders_and_state(Requests())
         self.log = RunLog(self.run_dir, logger_args, main=self.world.is_main)
         self._lr: float | None = None  # of the last optimizer step, for the step log
-        if resume is not None:
+        if resume is not None and not replacing():  # a replacement's run comes from the members
             self._resume(resume)
         self.log.open(start_step=self.state.step)  # a resumed run's logs cut back to its step
         # Under `tandem run --recover in-memory`: a lost rank costs the step, not the run.
@@ -395,17 +397,19 @@ class Trainer:
         plain = ReplicatedEngine(self.module, self.module, self.optimizer)
         self.engine, self._update = plain, Update(plain, self._scaler_state, self.clip_grad_norm)
 
-    def _build_world(self) -> None:
-        """Recovery in memory: the group was re-formed; build what depends on it anew (the
-        state is loaded by :class:`tandem.train.in_memory.InMemory`)."""
+    def _build_world(self, log_from: int) -> None:
+        """Recovery in memory: the group was re-formed (or grew); build what depends on it anew
+        (the state is loaded by :class:`tandem.train.in_memory.InMemory`); the step log keeps
+        its records up to step ``log_from``. Its collectives are the constructor's, in its
+        order: an admitted replacement's constructor meets them."""
         self.world = world()
         module, optimizer = self.module, self.optimizer
         self.engine = make_engine(module, optimizer, **self._engine_args)
         self._update = Update(self.engine, self._scaler_state, self.clip_grad_norm)
         self.checkpointer.rank = self.world.rank
+        check_writable(self.run_dir)  # rank 0 may be another process now
         self._make_loaders_and_state(self.state.requests)
-        # The last committed step's boundary is redone: its log record is written again.
-        self.log.reopen(main=self.world.is_main, start_step=max(self.state.step - 1, 0))
+        self.log.reopen(main=self.world.is_main, start_step=log_from)
 
     def train(self, max_epochs: int | None = None, max_steps: int | None = None) -> Summary:
         """Train until ``max_epochs`` or ``max_steps`` (default: the constructor's), or a stop.
@@ -438,6 +442,7 @@ class Trainer:
             while not plan.finished(epoch=run.epoch, step=run.step) and stopped is None:
                 lost = False
                 try:
+                    self._in_memory.admit(self)  # replacements the last commit let in, if any
                     stopped = self._run_epoch(plan, redo_boundary=redo)
                 except MembershipError:
                     raise
@@ -445,11 +450,9 @@ class Trainer:
                     if not self._in_memory.lost(error):
                         raise
                     lost = True
-                if lost:  # outside the except block: the failed step's frames are gone
-                    redo = self._in_memory.recover(self)
-                    run = self.state
-                else:
-                    redo = False
+                # Outside the except block: the failed step's frames are gone.
+                redo = self._in_memory.recover(self) if lost else False
+                run = self.state  # built anew by a recovery or an admission
         run.end_session()
         self.progress.close()
         if self.world.is_main and (stopped is not None or run.batch):
@@ -488,6 +491,9 @@ class Trainer:
             if stop is not None or plan.finished(epoch=run.epoch, step=run.step):
                 self._clock_in()  # a stop, or max_steps in the middle of an epoch: saved
                 return stop
+            if self._in_memory.growing:  # replacements join here: train() admits them
+                self._clock_in()
+                return None
         self._clock_in()
         return self._end_epoch(plan)
 

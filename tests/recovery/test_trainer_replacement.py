@@ -1,0 +1,88 @@
+"""Growing back with the Trainer: under ``tandem run --recover in-memory --max-restarts 1`` an
+unchanged Trainer script admits the launcher's replacement for a lost rank at a step boundary,
+hands it the run over the new group, and the run ends where the chain of resumes with the same
+membership schedule ends, bitwise.
+
+Proves (real processes over Gloo, the script in ``trainer_worker.py``: dropout drawn by every
+rank, SGD with momentum, an evaluation set, a step log, checkpoints every 3 steps): 3 ranks;
+rank 1 is SIGKILLed in step 4's forward; the 2 survivors go back to step 3 and go on; the
+launcher starts rank 3 in its place, which the survivors admit after some step J (whichever
+boundary follows its arrival: read from the exit summary), handing it the parameters, the
+momentum, the run's place, scheduler and step log, and their own parts (generators, loss sums).
+Then:
+
+- the final checkpoint (parameters, momentum, epoch, step, the sampler's place, every rank's
+  generators and loss sums, the history's train and test losses) and every record of the step
+  log (timing columns aside) equal those of "3 ranks to step 3, saved; 2 ranks resumed to step
+  J, saved; 3 ranks resumed to the end";
+- the same chain whose last link seeds its third rank otherwise (where a resume at a larger size
+  seeds a rank the checkpoint had not: the place the replacement takes) ends elsewhere, so the
+  newcomer's seeding is what the equality checks, not a no-op;
+- the exit summary names the loss and the admission, the job exits 0, and none of the 4 workers
+  (the replacement included) is left behind.
+
+The step 3 of the loss is neither a log nor an evaluation step: there the oracle reduces 3 ranks'
+sums and the recovered run 2 ranks' (rank 0 holding the 3 added up), whose rounding may differ.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from tandem.train.loggers import JSONL_FILE, read_jsonl
+from tandem.train.step_log import TIMING_COLUMNS
+from tests.recovery.test_recovery import leftovers
+from tests.recovery.test_trainer_recovery import assert_same_run, final, launch, resumed
+
+pytestmark = [pytest.mark.launch, pytest.mark.xdist_group("recovery")]
+
+# 4 epochs: 44 steps at 2 ranks at most, 0.5 s each, for the replacement to start and join
+# (it takes a few seconds: the steps at 3 ranks do not sleep).
+EPOCHS = ("--epochs", "4")
+
+
+def step_log(run_dir: Path) -> list[dict]:
+    return [
+        {k: v for k, v in record.items() if k not in TIMING_COLUMNS}
+        for record in read_jsonl(run_dir / JSONL_FILE)
+    ]
+
+
+@pytest.mark.timeout(900)
+def test_a_trainer_admits_a_replacement_and_equals_the_chain_of_resumes(tmp_path):
+    grown, pids = tmp_path / "grown", tmp_path / "pids"
+    pids.mkdir()
+    result = launch(
+        3, grown, *EPOCHS, "--kill", "1:3:forward", "--step-sleep", "0.5", "--pids", str(pids),
+        recover=True, replacements=1,
+    )  # fmt: skip
+    err = result.stderr
+    assert re.search(r"^tandem run: rank 1 \(.*\) was lost", err, re.M), err[-3000:]
+    assert "starting rank 3 to replace rank 1 (replacement 1 of 1)" in err, err[-3000:]
+    assert re.search(r"recovery 1: rank 1 \(killed by SIGKILL\) lost at step 3;", err), err[-3000:]
+    admitted = re.search(
+        r"recovery 2: replacement rank 3 admitted after step (\d+); ranks 0,2,3 go on", err
+    )
+    assert admitted, err[-3000:]
+    at = int(admitted.group(1))
+    got = final(grown)
+    assert got["trainer"]["world_size"] == 3 and 3 < at < got["trainer"]["step"], at
+
+    # The oracle chain with the same membership schedule: each link resumes a copy of the last.
+    first = tmp_path / "first"
+    launch(3, first, *EPOCHS, "--max-steps", "3")
+    resumed(first, tmp_path / "second", 2, *EPOCHS, "--max-steps", str(at))
+    expected = resumed(tmp_path / "second", tmp_path / "oracle", 3, *EPOCHS)
+    assert_same_run(got, expected)
+    assert step_log(grown) == step_log(tmp_path / "oracle")
+
+    mutant = resumed(tmp_path / "second", tmp_path / "mutant", 3, *EPOCHS, "--newcomer-seed-mutant")
+    assert any(not torch.equal(mutant["model"][k], v) for k, v in got["model"].items())
+
+    started = {int(p.read_text()) for p in pids.iterdir()}
+    assert sorted(p.name for p in pids.iterdir()) == ["0", "1", "2", "3"]
+    assert not leftovers(started), leftovers(started)
