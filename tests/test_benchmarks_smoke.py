@@ -36,6 +36,10 @@ TINY = {
         "--models", "deep_200x16", "--interleave", "step",  # the warm-up runs a whole round
         "--recovery-overhead",
     ],
+    "checkpoint": [
+        "--models", "tiny", "--trials", "1", "--step-model", "tiny", "--rounds", "1",
+        "--steps", "1",
+    ],
     "dp": ["--pairs", "1", "--steps", "1", "--warmup", "1", "--models", "mlp", "--lm-batch", "4"],
     "gpu": ["--device", "cpu", "--tiny", "--pairs", "1", "--steps", "1", "--warmup", "2"],
     "elastic_reform": [  # tandem only (torchrun's re-form takes ~50 s), short beats

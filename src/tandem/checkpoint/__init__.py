@@ -20,7 +20,11 @@ guarantees:
   own shards. Both load at another world size: there each rank cuts its FSDP shards and its
   ShardedOptimizer or FSDP optimizer state anew from the saved ranks' shard files that overlap
   its share (the Trainer's resharding: :mod:`tandem.checkpoint.shards`), which must then be
-  visible to every process (a shared file system).
+  visible to every process (a shared file system);
+- ``async_=True``: the call returns once the state is copied to host memory (one copy, reused
+  between saves), and the files are written, fsynced, checksummed and committed in the
+  background; :class:`AsyncSave` ``.wait()`` for the commit. At most one save is in flight;
+  its error is raised on every rank (:mod:`tandem.checkpoint.async_save`).
 
 At another world size the rest of an epoch continues where the saved ranks stood: a
 :class:`tandem.data.DistributedSampler` (or a :class:`tandem.data.StatefulLoader` over one)
@@ -91,28 +95,34 @@ Example::
 
 from __future__ import annotations
 
+import functools
+import time
 from collections.abc import Mapping, MutableMapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, overload
 
 from torch import nn
 
 from tandem import _dist
 from tandem._dist import from_rank0
+from tandem.checkpoint.async_save import WRITER, AsyncSave, Meeting
+from tandem.checkpoint.dcp import is_dcp, load_dcp, save_dcp
 from tandem.checkpoint.export import export_file as _export_file
 from tandem.checkpoint.export import strip_wrapper_prefixes, write_safetensors
 from tandem.checkpoint.phases import (
     ERRORS,
+    Collected,
     ShardFiles,
     agree,
     check,
     classify_state,
+    collect_entries,
     kind_of,
     load_into,
     read_api_file,
-    save_entries,
     settle,
     tidy_shards,
+    write_entries,
 )
 from tandem.checkpoint.rng import (
     capture_rng_state,
@@ -126,9 +136,20 @@ from tandem.checkpoint.sealed import API_FORMAT, write_checkpoint_file
 from tandem.parallel.adapters import model_state
 from tandem.parallel.engine import Engine, Kind
 
-__all__ = ["KINDS", "RNG", "CheckpointError", "Kind", "export_weights", "load", "save"]
+__all__ = [
+    "KINDS",
+    "RNG",
+    "AsyncSave",
+    "CheckpointError",
+    "Kind",
+    "export_weights",
+    "load",
+    "save",
+]
 
 KINDS: tuple[Kind, ...] = ("full", "sharded")
+#: The files :func:`save` writes: its own, or a directory of torch's distributed checkpoint.
+Format = Literal["tandem", "dcp"]
 
 
 class RNG:
@@ -171,7 +192,43 @@ class RNG:
             seed_rng(derived_seed("tandem.checkpoint.RNG", states_digest(states), rank))
 
 
-def save(state: Mapping[str, Any], path: str | Path, *, kind: Kind = "full") -> Path:
+@overload
+def save(
+    state: Mapping[str, Any],
+    path: str | Path,
+    *,
+    kind: Kind = ...,
+    async_: Literal[False] = ...,
+    format: Format = ...,
+) -> Path: ...
+@overload
+def save(
+    state: Mapping[str, Any],
+    path: str | Path,
+    *,
+    kind: Kind = ...,
+    async_: Literal[True],
+    format: Format = ...,
+) -> AsyncSave: ...
+@overload
+def save(
+    state: Mapping[str, Any],
+    path: str | Path,
+    *,
+    kind: Kind = ...,
+    async_: bool,
+    format: Format = ...,
+) -> Path | AsyncSave: ...
+
+
+def save(
+    state: Mapping[str, Any],
+    path: str | Path,
+    *,
+    kind: Kind = "full",
+    async_: bool = False,
+    format: Format = "tandem",
+) -> Path | AsyncSave:
     """Save every value of ``state`` to ``path`` (a collective: every rank calls it).
 
     Rank 0 writes ``path`` and its ``.sha256``; in the sharded kind every rank also writes its
@@ -184,9 +241,20 @@ def save(state: Mapping[str, Any], path: str | Path, *, kind: Kind = "full") -> 
             checkpoint replaces it (a crash in between leaves neither loadable: save to a new
             name per step and keep the last few where that matters, as the Trainer does).
         kind: ``"full"`` or ``"sharded"`` (see the module doc).
+        async_: return once the state is copied to host memory, and write the files in the
+            background (:mod:`tandem.checkpoint.async_save`): the training may go on and
+            change the live objects at once. At most one save is in flight: a save or load
+            while one is being written waits for it first (and logs a warning). The errors of
+            the writing (below) are then raised by ``wait()``, else by the next save or load
+            (this call raises an earlier one's that nothing waited for).
+        format: ``"tandem"`` (this module's files) or ``"dcp"``: a directory of torch's
+            distributed checkpoint, laid out as torch's own tools write a model and its
+            optimizer (:mod:`tandem.checkpoint.dcp`; synchronous, ``kind="full"`` only), which
+            ``torch.distributed.checkpoint.load`` reads.
 
     Returns:
-        ``path``, on every rank.
+        ``path``, on every rank; with ``async_``: an :class:`AsyncSave` whose ``wait()``
+        returns ``path`` once the checkpoint is committed.
 
     Raises:
         ValueError: a bad ``kind``, a value that cannot be saved, ranks that disagree on the
@@ -196,22 +264,56 @@ def save(state: Mapping[str, Any], path: str | Path, *, kind: Kind = "full") -> 
     Example::
 
         tandem.checkpoint.save({"model": model, "optimizer": opt, "step": 100}, "ckpt/100.pt")
+        handle = tandem.checkpoint.save(state, "ckpt/200.pt", async_=True)
+        ...                                                  # training goes on
+        handle.wait()
     """
+    started = time.monotonic()
     path = Path(path)
+    if not isinstance(async_, bool):
+        raise ValueError(f"async_ must be True or False, not {async_!r}")
+    if format not in ("tandem", "dcp"):
+        raise ValueError(f"format must be 'tandem' or 'dcp', not {format!r}")
+    WRITER.settle("tandem.checkpoint.save")
+    if format == "dcp":
+        if async_ or kind != "full":
+            raise ValueError(
+                f"format='dcp' is written synchronously and gathered (kind='full'), not with "
+                f"async_={async_!r}, kind={kind!r}: those are the tandem format's"
+            )
+        return save_dcp(state, path)
     rank, world_size = _dist.group_rank(), _dist.group_size()
     # Phase 1: every rank sorts its values, and the ranks compare them before any collective.
     entries, problem = classify_state(state)
     if kind not in KINDS:
         problem = ValueError(f"kind must be one of {list(KINDS)}, not {kind!r}")
     agree(entries, problem, path, "save")
-    # Phases 2 and 3: each value's state, each rank's shard file (checkpoint_steps).
-    saved = save_entries(entries, kind, ShardFiles(path.parent, path.stem), rank)
-    # Phase 4: rank 0 writes its file; its sidecar commits the checkpoint.
+    # Phase 2: each value's state (FSDP and ShardedOptimizer gather here).
+    collected = collect_entries(entries, kind)
+    tags = {e.key: e.tag for e in entries}
+    write = functools.partial(_write, path, kind, world_size, tags, rank)
+    if not async_:
+        return write(collected, Meeting())
+    # Phases 3 and 4 in the background, from a copy: the caller may change the objects now.
+    return WRITER.start(path, collected, write, rank, started)
+
+
+def _write(
+    path: Path,
+    kind: Kind,
+    world_size: int,
+    tags: dict[str, str],
+    rank: int,
+    collected: Collected,
+    meeting: Meeting,
+) -> Path:
+    """Phases 3 and 4 of :func:`save`: each rank's shard file; rank 0's file, which commits."""
+    saved = write_entries(collected, ShardFiles(path.parent, path.stem), rank, meeting.gather)
     verdict: tuple[str | None, str | None] = (None, None)
     if rank == 0:
         objects = {
-            e.key: {"type": e.tag, "state": saved.states[e.key], "ranks": saved.ranks.get(e.key)}
-            for e in entries
+            key: {"type": tag, "state": saved.states[key], "ranks": saved.ranks.get(key)}
+            for key, tag in tags.items()
         }
         payload = {
             "format": API_FORMAT,
@@ -221,10 +323,11 @@ def save(state: Mapping[str, Any], path: str | Path, *, kind: Kind = "full") -> 
             "objects": objects,
         }
         try:
-            write_checkpoint_file(payload, path)
+            with meeting.commit():
+                write_checkpoint_file(payload, path)
         except (OSError, ValueError) as e:
             verdict = (kind_of(e), f"rank 0 could not save checkpoint {path}: {e}")
-    error, message = from_rank0(verdict)
+    error, message = meeting.gather(verdict)[0]
     if error is not None:
         raise ERRORS[error](message)
     if saved.digests is None:
@@ -232,7 +335,9 @@ def save(state: Mapping[str, Any], path: str | Path, *, kind: Kind = "full") -> 
     return path
 
 
-def load(state: MutableMapping[str, Any], path: str | Path) -> None:
+def load(
+    state: MutableMapping[str, Any], path: str | Path, *, format: Format | None = None
+) -> None:
     """Load the checkpoint at ``path`` into the values of ``state``, in place (a collective).
 
     Models, optimizers, engines and stateful objects load their saved state; plain values are
@@ -250,7 +355,10 @@ def load(state: MutableMapping[str, Any], path: str | Path) -> None:
     Args:
         state: the same keys as the saved dict, with objects to load into and placeholders
             for plain values (``{"step": 0}``).
-        path: a file written by :func:`save`.
+        path: a file written by :func:`save`, or a directory of torch's distributed
+            checkpoint (DCP: it has a ``.metadata`` file), e.g. one torch saved from DDP or
+            FSDP2 with ``get_state_dict`` (:mod:`tandem.checkpoint.dcp`), at any world size.
+        format: ``"tandem"`` or ``"dcp"``; None (default): a DCP directory is recognised.
 
     Raises:
         CheckpointError: the file is missing, corrupt, truncated, not a tandem checkpoint (the
@@ -266,6 +374,12 @@ def load(state: MutableMapping[str, Any], path: str | Path) -> None:
         start = state["step"]
     """
     path = Path(path)
+    WRITER.settle("tandem.checkpoint.load")
+    if format not in (None, "tandem", "dcp"):
+        raise ValueError(f"format must be 'tandem', 'dcp' or None, not {format!r}")
+    if format == "dcp" or (format is None and is_dcp(path)):
+        load_dcp(state, path)
+        return
     rank = _dist.group_rank()
     # Phase 1: every rank sorts its values; the ranks compare them.
     entries, problem = classify_state(state)

@@ -43,6 +43,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -54,8 +55,17 @@ from typing import Any, Protocol
 from tandem import _dist
 from tandem._dist import from_rank0
 from tandem._profile import span
+from tandem.checkpoint.async_save import WRITER, Meeting
 from tandem.checkpoint.entries import EngineEntry, Entry, StatefulEntry
-from tandem.checkpoint.phases import ShardFiles, check, load_into, save_entries, settle
+from tandem.checkpoint.phases import (
+    Collected,
+    ShardFiles,
+    check,
+    collect_entries,
+    load_into,
+    settle,
+    write_entries,
+)
 from tandem.checkpoint.run_dir import (
     CHECKPOINTS_DIR,
     CheckpointError,
@@ -119,12 +129,21 @@ class Checkpointer:
         keep: how many checkpoints to keep.
         kind: ``"full"`` (rank 0 writes one file) or ``"sharded"`` (each rank also writes its
             own shards; see :mod:`tandem.parallel.engine`).
+        async_: write in the background (:mod:`tandem.checkpoint.async_save`): :meth:`save`
+            returns once the state is copied; :meth:`wait` for the commit.
     """
 
-    def __init__(self, run_dir: str | Path, *, keep: int = 3, kind: Kind = "full") -> None:
+    def __init__(
+        self, run_dir: str | Path, *, keep: int = 3, kind: Kind = "full", async_: bool = False
+    ) -> None:
+        if not isinstance(async_, bool):
+            raise ValueError(
+                f"async_ (the Trainer's checkpoint_async) must be True or False, not {async_!r}"
+            )
         self.run_dir = Path(run_dir)
         self.keep = keep
         self.kind = kind
+        self.async_ = async_
         self.rank = _dist.group_rank()
 
     @property
@@ -137,27 +156,61 @@ class Checkpointer:
         """Gather every rank's state, write the checkpoint on rank 0; its path on every rank.
 
         Under ``tandem run`` rank 0 also notes the commit for the launcher's exit summary
-        (:func:`report_commit`).
+        (:func:`report_commit`). With ``async_`` the path is the one the checkpoint will have:
+        the write goes on in the background, after a save in flight was waited for.
 
         Raises:
             OSError, ValueError: a rank could not write (raised on every rank, nothing
-                committed).
+                committed); with ``async_``, by the next save, :meth:`wait` or :meth:`resume`.
         """
+        WRITER.settle("a checkpoint save")
         started = time.time()
         name = checkpoint_name(epoch, step)
-        entries = _entries(engine, objects)
+        collected = collect_entries(_entries(engine, objects), self.kind)
+        write = functools.partial(self._write, name, list(objects), epoch, step, started)
+        if not self.async_:
+            return write(collected, Meeting())
+        path = self.ckpt_dir / f"{name}.pt"
+        return WRITER.start(path, collected, write, self.rank, time.monotonic()).path
+
+    def wait(self) -> Path | None:
+        """Wait for the save in flight (``async_``); its path once committed, None if none.
+
+        Raises:
+            OSError, ValueError, CheckpointError, RuntimeError: that save failed (on every rank).
+        """
+        handle = WRITER.in_flight
+        return None if handle is None else handle.wait()
+
+    def abandon(self) -> None:
+        """Give up the save in flight: the world it reports in was re-formed (recovery in
+        memory). ``latest`` stays where it was unless that save had committed already."""
+        WRITER.abandon()
+
+    def _write(
+        self,
+        name: str,
+        keys: list[str],
+        epoch: int,
+        step: int,
+        started: float,
+        collected: Collected,
+        meeting: Meeting,
+    ) -> Path:
+        """The files of :meth:`save`: each rank's shards, then rank 0's checkpoint, which
+        commits, and ``latest``; in the caller or in the background writer."""
         files = ShardFiles(self.ckpt_dir, name, single=_ENGINE)
-        saved = save_entries(entries, self.kind, files, self.rank)
+        saved = write_entries(collected, files, self.rank, meeting.gather)
         verdict: tuple[str | None, Any] = (None, None)
         if self.rank == 0:
             state: dict[str, Any] = dict(saved.states[_ENGINE])
             state["shards"] = None if saved.digests is None else {"sha256": saved.digests}
-            for key, obj in objects.items():
-                state[key] = None if obj is None else dict(saved.states[key])
+            for key in keys:
+                state[key] = None if key not in saved.states else dict(saved.states[key])
                 if key in saved.ranks:
                     state[key]["ranks"] = saved.ranks[key]
             try:
-                with span("tandem.train.checkpoint_write", name):
+                with span("tandem.train.checkpoint_write", name), meeting.commit():
                     path = save_checkpoint(
                         state, self.run_dir, epoch=epoch, step=step, keep=self.keep
                     )
@@ -166,7 +219,7 @@ class Checkpointer:
                 verdict = (type(e).__name__, f"rank 0 could not save a checkpoint: {e}")
         if self.rank == 0 and verdict[0] is None:
             report_commit(Path(verdict[1][0]), epoch=epoch, step=step, started=started)
-        error, payload = from_rank0(verdict)
+        error, payload = meeting.gather(verdict)[0]
         if saved.digests is not None:
             # After a failed save too: its shards are then garbage.
             committed = set(payload[1]) if error is None else set()
@@ -190,6 +243,7 @@ class Checkpointer:
             CheckpointError: the checkpoint is missing, corrupt or truncated.
             ValueError: it does not fit this run (the message names the file and what differs).
         """
+        WRITER.settle("resuming")
         verdict: tuple[str | None, Any] = (None, None)
         if self.rank == 0:
             try:

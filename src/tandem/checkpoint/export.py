@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from tandem._optional import require
+from tandem.checkpoint.dcp import is_dcp, read_dcp_weights
 from tandem.checkpoint.run_dir import LATEST, CheckpointError, latest_checkpoint
 from tandem.checkpoint.sealed import payload_kind, read_verified
 from tandem.checkpoint.shards import read_shard
@@ -67,7 +68,9 @@ def export_file(source: str | Path, out: str | Path, *, key: str | None = None) 
 
     Args:
         source: a run directory (its latest checkpoint), its ``checkpoints`` directory or
-            ``latest`` pointer, a Trainer checkpoint file, or a ``tandem.checkpoint.save`` file.
+            ``latest`` pointer, a Trainer checkpoint file, a ``tandem.checkpoint.save`` file,
+            or a directory of torch's distributed checkpoint (DCP; its ``"model"`` entry, or
+            ``key``'s), as torch or ``tandem.checkpoint.save(..., format="dcp")`` wrote it.
         out: the file to write (its directory is created).
         key: the model's key in a ``tandem.checkpoint.save`` file that holds several.
 
@@ -82,12 +85,15 @@ def export_file(source: str | Path, out: str | Path, *, key: str | None = None) 
         print(report.tensors, report.numel)
     """
     out = Path(out)
-    file = resolve_checkpoint(Path(source))
+    dcp = is_dcp(source)  # before resolving: a DCP directory is no run directory
+    file = Path(source) if dcp else resolve_checkpoint(Path(source))
     if out.is_dir():
         raise ValueError(f"output {out} is a directory; name the .safetensors file to write")
     if out.resolve() == file.resolve():
         raise ValueError(f"output {out} is the checkpoint itself; name another file")
-    weights = strip_wrapper_prefixes(plain_weights_of_file(file, key))
+    weights = strip_wrapper_prefixes(
+        read_dcp_weights(file, key or "model") if dcp else plain_weights_of_file(file, key)
+    )
     nbytes = write_safetensors(weights, out, {"tandem.source": str(file)})
     numel = sum(v.numel() for v in weights.values())
     return ExportReport(out=out, source=file, tensors=len(weights), numel=numel, nbytes=nbytes)

@@ -5,8 +5,10 @@
 its name, the run directory's ``latest`` and retention); the work on the objects is these steps,
 over the entries of :mod:`tandem.checkpoint.entries`:
 
-- saving: :func:`save_entries`: every entry's state (FSDP and ShardedOptimizer gather here),
-  each rank's shard file written, every rank's per-rank state and shard digest gathered;
+- saving: :func:`collect_entries`: every entry's state (FSDP and ShardedOptimizer gather
+  here); then :func:`write_entries`: each rank's shard file written, every rank's per-rank
+  state and shard digest gathered (in the caller, or in the background writer of
+  :mod:`tandem.checkpoint.async_save` on a copy of what was collected);
 - loading: :func:`check`: the keys, the types, the per-rank states, each rank's shard part
   (read, or cut anew from the saved ranks' files at another world size:
   :func:`read_shard_parts`), each entry's fit; then :func:`load_into`.
@@ -81,7 +83,7 @@ class ShardFiles:
 
 @dataclass
 class Saved:
-    """What :func:`save_entries` gathered for the main file (on every rank)."""
+    """What :func:`write_entries` gathered for the main file (on every rank)."""
 
     states: dict[str, Any]  # key -> its part of the main file
     ranks: dict[str, list[Any]]  # key -> every rank's own part, for entries that have one
@@ -124,8 +126,35 @@ def agree(entries: list[Entry], problem: Exception | None, path: Path, verb: str
             )
 
 
-def save_entries(entries: list[Entry], kind: Kind, files: ShardFiles, rank: int) -> Saved:
-    """Every entry's state, this rank's shard file written, the ranks' parts gathered.
+@dataclass
+class Collected:
+    """What :func:`collect_entries` took from the entries: nothing is written yet."""
+
+    states: dict[str, Any]  # key -> its part of the main file
+    parts: dict[str, Any]  # key -> this rank's shard part, for entries that left one
+    mine: dict[str, Any]  # key -> this rank's own part, for entries that have one
+
+
+def collect_entries(entries: list[Entry], kind: Kind) -> Collected:
+    """Every entry's state, in the dict's order (a collective: FSDP and ShardedOptimizer
+    gather here). The tensors are the live ones where an object hands them out so (a model's
+    ``state_dict()``): write them before training goes on, or copy them."""
+    saved = {entry.key: entry.save(kind) for entry in entries}
+    return Collected(
+        states={key: state for key, (state, _) in saved.items()},
+        parts={key: part for key, (_, part) in saved.items() if part is not None},
+        mine={e.key: e.rank_state() for e in entries if e.has_rank_state},
+    )
+
+
+def write_entries(
+    collected: Collected,
+    files: ShardFiles,
+    rank: int,
+    gather: Callable[[Any], list[Any]] = gather_objects,
+) -> Saved:
+    """This rank's shard file written, the ranks' parts and digests gathered (by ``gather``:
+    every rank's object, in rank order; the background writer's travels over its own group).
 
     A collective. A rank that cannot write its shard fails the save on every rank, before
     anything is committed (the main file, which commits, is the caller's, written after).
@@ -133,27 +162,23 @@ def save_entries(entries: list[Entry], kind: Kind, files: ShardFiles, rank: int)
     Raises:
         OSError: a rank could not write its shard file (on every rank, naming it).
     """
-    # Phase 1: each value's state, in the dict's order (FSDP and ShardedOptimizer gather here).
-    saved = [entry.save(kind) for entry in entries]
-    mine = {e.key: e.rank_state() for e in entries if e.has_rank_state}
-    parts = {e.key: part for e, (_, part) in zip(entries, saved, strict=True) if part is not None}
-    # Phase 2: each rank writes its own shard file; one rank's failure fails the save on all.
+    # Each rank writes its own shard file; one rank's failure fails the save on all.
     report: tuple[str | None, str | None] = (None, None)
-    if parts:
+    if collected.parts:
         try:
             with span("tandem.train.checkpoint_write", f"{files.stem} shard {rank}"):
-                report = (None, files.write(parts, rank))
+                report = (None, files.write(collected.parts, rank))
         except OSError as e:
             report = ("OSError", f"rank {rank} could not save its shard: {e}")
-    everyone = gather_objects({"ranks": mine, "shard": report})
+    everyone = gather({"ranks": collected.mine, "shard": report})
     failed = [r["shard"][1] for r in everyone if r["shard"][0] is not None]
     if failed:
         # Every rank has the same gathered list: the same error everywhere, nothing committed.
         raise OSError("; ".join(failed))
     return Saved(
-        states={e.key: state for e, (state, _) in zip(entries, saved, strict=True)},
-        ranks={key: [r["ranks"][key] for r in everyone] for key in mine},
-        digests=[r["shard"][1] for r in everyone] if parts else None,
+        states=collected.states,
+        ranks={key: [r["ranks"][key] for r in everyone] for key in collected.mine},
+        digests=[r["shard"][1] for r in everyone] if collected.parts else None,
     )
 
 

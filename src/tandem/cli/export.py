@@ -40,8 +40,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "source",
-        help="a run directory (its latest checkpoint), a Trainer checkpoint file, or a file "
-        "written by tandem.checkpoint.save",
+        help="a run directory (its latest checkpoint), a Trainer checkpoint file, a file "
+        "written by tandem.checkpoint.save, or a torch distributed checkpoint (DCP) directory",
     )
     parser.add_argument("out", help="the .safetensors file to write (replaced atomically)")
     parser.add_argument(

@@ -45,7 +45,7 @@ from tandem._dist import group_rank
 from tandem.parallel.ddp.wrapper import DistributedDataParallel
 from tandem.parallel.dp.wrapper import DataParallel
 from tandem.parallel.fsdp import reshard as fsdp_reshard
-from tandem.parallel.fsdp.state import SHARDED_FORMAT
+from tandem.parallel.fsdp.state import SHARDED_FORMAT, _PlainIndex
 from tandem.parallel.fsdp.wrapper import FullyShardedDataParallel
 from tandem.parallel.zero import ShardedOptimizer
 
@@ -358,6 +358,17 @@ class OptimizerState(StateAdapter):
         """Parameters per group, as the full state dict counts them."""
         return [len(g["params"]) for g in self.optimizer.param_groups]
 
+    def full_names(self) -> list[str] | None:
+        """The parameter name of each position of the full state dict, where this adapter
+        knows them; None: the positions are the optimizer's own parameters, in order (the
+        model that holds them names them)."""
+        return None
+
+    def full_positions(self, group: dict[str, Any]) -> list[int] | None:
+        """The positions in the full state dict of ``group``'s parameters; None: the groups'
+        parameters in order."""
+        return None
+
     def check(self, what: str, saved: Any, shard: Any) -> None:
         if shard is not None:
             self._check_shard(what, shard)
@@ -441,6 +452,12 @@ class ShardOptimizer(OptimizerState):
         return [
             sum(per_shard.get(id(p), 1) for p in g["params"]) for g in self.optimizer.param_groups
         ]
+
+    def full_names(self) -> list[str] | None:
+        return list(self.fsdp.layout.param_fqns)  # the plain module's, in its order
+
+    def full_positions(self, group: dict[str, Any]) -> list[int] | None:
+        return _PlainIndex(self.fsdp.layout).group_ids(group)
 
     def _check_shard(self, what: str, shard: Any) -> None:
         check_groups(what, super().param_counts(), shard)

@@ -19,6 +19,9 @@ step k + 2).
 
 - SIGTERM (a scheduler's preemption, ``tandem run`` stopping): save, then stop cleanly.
 - SIGUSR1 (``tandem run`` forwards it; SLURM's ``--signal``): save and carry on.
+
+With ``Trainer(checkpoint_async=True)`` the save's files are written in the background; the
+next save and the end of ``train()`` (a SIGTERM's stop too) wait for them to be committed.
 """
 
 from __future__ import annotations

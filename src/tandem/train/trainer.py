@@ -201,6 +201,10 @@ class Trainer:
             another world size, which needs every rank's shard files visible, e.g. a shared
             file system; needs an FSDP model or a ShardedOptimizer); see
             :mod:`tandem.parallel.engine`.
+        checkpoint_async: write checkpoints in the background: a save holds the loop only
+            while the state is copied to host memory (one copy, reused between saves); the
+            next save, and the end of ``train()`` (SIGTERM's included), wait for the write in
+            flight, and raise its error on every rank (:mod:`tandem.checkpoint.async_save`).
         trace: a directory for every rank's timeline, merged into a Chrome ``trace.json`` at
             the end of ``train()`` (:mod:`tandem.doctor.trace`).
 
@@ -283,6 +287,7 @@ class Trainer:
         progress: bool = True,
         ddp_kwargs: dict[str, Any] | None = None,
         checkpoint_format: Literal["full", "sharded"] = "full",
+        checkpoint_async: bool = False,
         trace: str | Path | None = None,
     ) -> None:
         # Checks that need no process group first: the same verdict on every rank, at once.
@@ -342,7 +347,7 @@ class Trainer:
         )
         self._update = Update(self.engine, self._scaler_state, self.clip_grad_norm)
         self.checkpointer = Checkpointer(
-            self.run_dir, keep=keep_checkpoints, kind=checkpoint_format
+            self.run_dir, keep=keep_checkpoints, kind=checkpoint_format, async_=checkpoint_async
         )
         check_writable(self.run_dir)
 
@@ -394,6 +399,7 @@ class Trainer:
         if reducer is not None:
             reducer.release()
         self.state.requests.discard()
+        self.checkpointer.abandon()  # a save in the background reports over the old group
         plain = ReplicatedEngine(self.module, self.module, self.optimizer)
         self.engine, self._update = plain, Update(plain, self._scaler_state, self.clip_grad_norm)
 
@@ -453,6 +459,11 @@ class Trainer:
                 # Outside the except block: the failed step's frames are gone.
                 redo = self._in_memory.recover(self) if lost else False
                 run = self.state  # built anew by a recovery or an admission
+            # checkpoint_async: the save still being written is committed (or its error raised,
+            # on every rank) before train() returns; signals meanwhile only set flags.
+            committed = self.checkpointer.wait()
+        if committed is not None and self.world.is_main:
+            print(f"checkpoint {committed} committed (written in the background)", flush=True)
         run.end_session()
         self.progress.close()
         if self.world.is_main and (stopped is not None or run.batch):
