@@ -182,7 +182,7 @@ class InMemory:
         """The shared state right after an optimizer step, the point a recovery goes back to."""
         if self.recoverer is None:
             return
-        self.kept = _shared_state(trainer)
+        self.kept = _shared_state(trainer, self.kept)
         self.after_step = True
 
     def lost(self, error: BaseException) -> bool:
@@ -257,16 +257,20 @@ def _saved_run(trainer: Trainer) -> SavedRun:
     return SavedRun(trainer.state, trainer.log.window, world_size=trainer.world.world_size)
 
 
-def _shared_state(trainer: Trainer) -> dict[str, Any]:
+def _shared_state(trainer: Trainer, last: dict[str, Any] | None = None) -> dict[str, Any]:
     """The run's state that every rank shares, as a checkpoint's entries hold it, with
     tandem.DDP's bucket order: at 3 ranks and more Gloo's sums round otherwise in buckets laid
     out otherwise, so a wrapper made anew takes the old one's, as a resume does. Copied (through
-    pickle: small lists, quick), since the reducer appends to its own until it has rebuilt."""
+    pickle), since the reducer appends to its own until it has rebuilt; once rebuilt it never
+    changes, so the copy in ``last`` (the state kept before) serves again, off the step's path."""
     scheduler, scaler = trainer.scheduler, trainer._scaler_state
-    buckets = trainer.engine.model_state.engine_state()
+    buckets = None if last is None else last["engine"]
+    if buckets is None or not buckets["rebuilt"]:
+        buckets = trainer.engine.model_state.engine_state()
+        buckets = None if buckets is None else pickle.loads(pickle.dumps(buckets))
     return {
         "trainer": _saved_run(trainer).state_dict(),
-        "engine": None if buckets is None else pickle.loads(pickle.dumps(buckets)),
+        "engine": buckets,
         "scheduler": None if scheduler is None else scheduler.state_dict(),
         "scaler": None if scaler is None else scaler.state_dict(),
     }
