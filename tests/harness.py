@@ -28,6 +28,7 @@ import faulthandler
 import multiprocessing as mp
 import os
 import pickle
+import random
 import signal
 import socket
 import sys
@@ -50,8 +51,33 @@ class RankFailure(AssertionError):
     """One or more ranks raised, died or timed out; the message holds every rank's report."""
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 def free_port() -> int:
-    """A TCP port that was free a moment ago on loopback."""
+    """A TCP port that is free on loopback now, chosen outside the kernel's ephemeral range.
+
+    A port the kernel hands out for ``bind(0)`` comes from the same range as the local ports of
+    outgoing connections (every TCPStore client, every Gloo pair): between this call and the
+    moment rank 0 listens, such a connection can take it (EADDRINUSE, seen on CI). Below the
+    ephemeral range only another test's ``free_port`` could pick the same port: a random one of
+    thousands, checked free.
+    """
+    low, _ = _ephemeral_range()
+    start = 20000 if low > 21000 else 1024
+    for _ in range(200):
+        port = random.randrange(start, low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -79,7 +105,16 @@ def _child(
     result: dict[str, Any]
     try:
         if init is not None:
-            dist.init_process_group(init)
+            try:
+                dist.init_process_group(init)
+            except Exception as exc:
+                if "EADDRINUSE" not in str(exc):
+                    raise
+                # Another program took MASTER_PORT after free_port chose it: run_ranks starts
+                # the ranks again on another port (torch's own test harness retries too).
+                result = {"ok": False, "port_taken": True, "error": str(exc)}
+                Path(os.path.join(outdir, f"result{rank}.pkl")).write_bytes(pickle.dumps(result))
+                os._exit(0)
         value = fn(*args)
         result = {"ok": True, "value": value}
     except BaseException as exc:  # report everything, KeyboardInterrupt included
@@ -118,6 +153,26 @@ def run_ranks(
     after; ``init=None`` leaves that to ``fn`` (tests of ``tandem.init`` itself). ``env`` adds
     variables to every rank, ``{rank}`` in a value is replaced by the rank.
     """
+    for _ in range(2):
+        try:
+            return _launch(fn, world_size, args, timeout, init, env)
+        except _PortTaken:
+            continue
+    return _launch(fn, world_size, args, timeout, init, env)
+
+
+class _PortTaken(RankFailure):
+    """Rank 0 could not listen on the port chosen for the harness's own process group."""
+
+
+def _launch(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: tuple,
+    timeout: float,
+    init: str | None,
+    env: dict[str, str] | None,
+) -> list[Any]:
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="tandem-ranks-") as outdir:
         procs = []
@@ -151,6 +206,11 @@ def _collect(procs: list, outdir: str, timeout: float) -> list[Any]:
     while any(p.is_alive() for p in procs):
         now = time.monotonic()
         failed = [r for r in range(len(procs)) if _failed(r, procs[r], outdir)]
+        if failed and _port_taken(outdir, failed[0]):
+            for p in procs:
+                p.kill()
+                p.join(5)
+            raise _PortTaken(f"rank {failed[0]} could not listen on MASTER_PORT (EADDRINUSE)")
         if failed and reason is None:
             reason = f"rank {failed[0]} failed"
             deadline = min(deadline, now + GRACE_S)
@@ -186,6 +246,13 @@ def _collect(procs: list, outdir: str, timeout: float) -> list[Any]:
     if not ok:
         raise RankFailure(f"{reason or 'ranks failed'}\n" + "\n".join(reports))
     return values
+
+
+def _port_taken(outdir: str, rank: int) -> bool:
+    try:
+        return bool(pickle.loads(Path(outdir, f"result{rank}.pkl").read_bytes()).get("port_taken"))
+    except Exception:
+        return False
 
 
 def _failed(rank: int, proc: Any, outdir: str) -> bool:

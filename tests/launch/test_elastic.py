@@ -213,9 +213,17 @@ def test_two_nodes_of_1_2_there_at_once_run_as_one_job(nodes, tmp_path):
     node0, node1 = nodes
     script = tmp_path / "world.py"
     script.write_text(_ENV_SCRIPT)
-    # Node 1 first: it waits for the store, so both are there before node 0's last call ends.
-    launches = [Launch(node1, 1, node0, tmp_path / "node1.log", [str(script)], nproc="2")]
-    launches.insert(0, Launch(node0, 0, node0, tmp_path / "node0.log", [str(script)], nproc="2"))
+    # Node 1 first: it waits for the store. Round 0 closes the moment both are registered (MAX
+    # is 2), so a long last call costs nothing here; the 1 s one was too short for a loaded
+    # machine, where node 1's start and its store client's connect back-off can take longer (CI
+    # once saw round 0 close with node 0 alone, and node 1 admitted in round 1).
+    conf = CONF.replace("last_call_timeout=1", "last_call_timeout=20")
+    launches = [
+        Launch(node1, 1, node0, tmp_path / "node1.log", [str(script)], nproc="2", conf=conf)
+    ]
+    launches.insert(
+        0, Launch(node0, 0, node0, tmp_path / "node0.log", [str(script)], nproc="2", conf=conf)
+    )
     try:
         codes = [launch.finish(40) for launch in launches]
     finally:
