@@ -40,7 +40,23 @@ from pathlib import Path
 from typing import Any
 
 _CTX = mp.get_context("forkserver")
-_CTX.set_forkserver_preload(["torch", "torch.distributed", "tandem"])
+# What the ranks of most tests import, imported once per test worker instead of once per rank:
+# torch's DDP imports torch._dynamo when it is built (1-1.7 s), which brings DTensor, FSDP and
+# DCP with it. (tandem itself does not import dynamo: test_ddp_compile checks that in a fresh
+# interpreter, where tandem.DDP must work with dynamo never imported.)
+_CTX.set_forkserver_preload(
+    [
+        "torch",
+        "torch.distributed",
+        "torch._dynamo",
+        "torch.distributed.checkpoint",
+        "torch.distributed.fsdp",
+        "tandem",
+        "tandem.parallel.ddp",
+        "tandem.checkpoint",
+        "tests.models",
+    ]
+)
 
 # A peer's failure usually leaves the survivors blocked in a collective: give them this long to
 # finish or report their own error before they are stopped and their stacks dumped.

@@ -52,17 +52,9 @@ import itertools
 import warnings
 from collections.abc import Mapping, MutableMapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed.checkpoint as torch_dcp
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    Metadata,
-    TensorStorageMetadata,
-)
-from torch.distributed.checkpoint.planner import ReadItem
 
 from tandem import _dist
 from tandem.checkpoint.entries import (
@@ -75,6 +67,12 @@ from tandem.checkpoint.entries import (
 from tandem.checkpoint.phases import agree, classify_state, settle
 from tandem.checkpoint.run_dir import CheckpointError
 from tandem.parallel.adapters import OptimizerState, listed, unwrap
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import Metadata
+
+# torch.distributed.checkpoint is imported where it is used: 0.7 s that every process importing
+# tandem.checkpoint would otherwise pay, saving DCP or not.
 
 __all__ = ["is_dcp", "load_dcp", "read_dcp_weights", "save_dcp"]
 
@@ -141,6 +139,8 @@ def save_dcp(state: Mapping[str, Any], path: str | Path) -> Path:
         if mine:
             out[e.key] = value
     try:
+        import torch.distributed.checkpoint as torch_dcp
+
         torch_dcp.save(out, checkpoint_id=path)
     except torch_dcp.api.CheckpointException as e:  # raised on every rank by DCP
         raise OSError(f"could not save DCP checkpoint {path}: {e}") from e
@@ -237,14 +237,15 @@ def _group_names(adapter: OptimizerState, names: list[str]) -> list[list[str]]:
 # -- loading ------------------------------------------------------------------------------------
 
 
-class _SafeLoadPlanner(DefaultLoadPlanner):
+def _safe_load_planner() -> Any:
     """DCP's planner over a flat dict of its keys, unpickling values with ``weights_only``."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-    def __init__(self) -> None:
-        super().__init__(flatten_state_dict=False)
+    class SafeLoadPlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+            self.state_dict[read_item.dest_index.fqn] = torch.load(value, weights_only=True)
 
-    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        self.state_dict[read_item.dest_index.fqn] = torch.load(value, weights_only=True)
+    return SafeLoadPlanner(flatten_state_dict=False)
 
 
 def load_dcp(state: MutableMapping[str, Any], path: str | Path) -> None:
@@ -307,6 +308,8 @@ def _metadata(path: Path) -> Metadata:
     if not is_dcp(path):
         what = "no such directory" if not path.exists() else f"no {METADATA} file in it"
         raise CheckpointError(f"{path} is not a DCP checkpoint ({what})")
+    import torch.distributed.checkpoint as torch_dcp
+
     try:
         return torch_dcp.FileSystemReader(str(path)).read_metadata()
     except Exception as e:  # a truncated or foreign .metadata: any unpickling error
@@ -326,6 +329,8 @@ def _check_keys(path: Path, metadata: Metadata, keys: list[str]) -> None:
 
 def _placeholders(path: Path, metadata: Metadata, keys: list[str]) -> dict[str, Any]:
     """A flat dict of the DCP keys under ``keys``, with an empty tensor for each tensor."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
     _check_keys(path, metadata, keys)
     places = _places(metadata)
     flat: dict[str, Any] = {}
@@ -349,7 +354,9 @@ def _read(path: Path, metadata: Metadata, keys: list[str], *, no_dist: bool) -> 
     """The entries ``keys`` of the checkpoint, nested as saved, whole tensors (a collective
     unless ``no_dist``)."""
     wanted = _placeholders(path, metadata, keys)
-    planner = _SafeLoadPlanner()
+    import torch.distributed.checkpoint as torch_dcp
+
+    planner = _safe_load_planner()
     try:
         torch_dcp.load(wanted, checkpoint_id=path, planner=planner, no_dist=no_dist)
     except torch_dcp.api.CheckpointException as e:  # raised on every rank by DCP

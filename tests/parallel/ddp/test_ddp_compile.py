@@ -11,9 +11,16 @@ DDPOptimizer asserts on a first bucket larger than the others). A model that is 
 own containers (``nn.Sequential``), whose frames dynamo does not start a graph in, is compiled
 too: one frame with the module's operators in it (no longer nothing at all), and the losses of
 ``torch.compile(tandem.DDP(m))`` equal those of ``tandem.DDP(torch.compile(m))`` and eager's.
+In a fresh interpreter, importing and training with tandem.DDP never imports torch._dynamo
+(1-2 s of every rank's start), and compiling the same model afterwards still gives one graph.
 """
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -24,7 +31,7 @@ from torch._dynamo.testing import CompileCounter
 
 import tandem
 from tests import models
-from tests.harness import run_ranks
+from tests.harness import free_port, run_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -133,3 +140,39 @@ def test_compiled_equals_eager(bucket_cap_mb, kind):
         assert r["equal"]
         # Compiled once, and the graph holds the module's operators (two linears, tanh, ...).
         assert r["frames"] == 1 and r["ops"] >= 3, r
+
+
+_FRESH = textwrap.dedent(
+    """
+    import os, sys
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    import tandem
+
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    torch.manual_seed(0)
+    model = tandem.DDP(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)))
+    x = torch.randn(3, 4)
+    for _ in range(2):  # the second forward rebuilds the buckets
+        model(x).sum().backward()
+    print("DYNAMO", "torch._dynamo" in sys.modules)
+    import torch._dynamo
+
+    explained = torch._dynamo.explain(model)(x)
+    print("GRAPHS", explained.graph_count, "BREAKS", explained.graph_break_count)
+    dist.destroy_process_group()
+    """
+)
+
+
+@pytest.mark.timeout(120)
+def test_training_never_imports_dynamo_and_compiling_later_still_gives_one_graph():
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    done = subprocess.run(
+        [sys.executable, "-c", _FRESH], env=env, capture_output=True, text=True, timeout=100
+    )
+    assert done.returncode == 0, done.stderr
+    assert "DYNAMO False" in done.stdout, done.stdout
+    assert "GRAPHS 1 BREAKS 0" in done.stdout, done.stdout

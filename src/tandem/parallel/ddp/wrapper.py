@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
+from tandem._compile import eager_only
 from tandem._dist import group_rank, group_size, require_process_group
 from tandem._profile import backward_span, span
 from tandem._tree import map_tensors
@@ -229,7 +230,7 @@ class DistributedDataParallel(nn.Module, Joinable):
     # inside dynamo to the same effect.) The module is called through `_run_module`, a frame of
     # tandem's own where dynamo starts its graph: called straight from here, a module of torch's
     # own (nn.Sequential, say) would not be compiled at all, dynamo skipping torch's frames.
-    @torch.compiler.disable(recursive=False)
+    @eager_only(recursive=False)
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Run the module; with grad enabled, arm the reducer for the coming backward."""
         training = self._before_forward()
@@ -244,7 +245,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             self._after_forward(output)
         return output
 
-    @torch.compiler.disable
+    @eager_only
     def _before_forward(self) -> bool:
         training = torch.is_grad_enabled() and bool(self.reducer.params)
         # Inside a join context, tell the ranks that ran out of data that this one has not.
@@ -277,7 +278,7 @@ class DistributedDataParallel(nn.Module, Joinable):
                 return True
         return False
 
-    @torch.compiler.disable
+    @eager_only
     def _after_forward(self, output: Any) -> None:
         if not self._arms_backward():
             return
