@@ -104,3 +104,15 @@ def max_diff(a: nn.Module, b: nn.Module) -> float:
     sb = b.state_dict()
     assert sa.keys() == sb.keys()
     return max(((sa[k].double() - sb[k].double()).abs().max().item() for k in sa), default=0.0)
+
+
+def copied(value):
+    """``value`` with every tensor in it (nested dicts and lists) detached and cloned: a state
+    to compare later, unaffected by training on."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {k: copied(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [copied(v) for v in value]
+    return value

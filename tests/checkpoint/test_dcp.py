@@ -8,8 +8,9 @@ FSDP2 ``fully_shard``), over Gloo in real processes. AdamW after 3 steps (so eve
 - tandem writes, torch reads: a tandem.DDP model and its AdamW saved by :func:`save_dcp` at 2
   and at 3 processes load through ``dcp.load`` + ``set_state_dict`` into a plain module and
   AdamW equal to tandem's model and optimizer state; a tandem.FullyShardedDataParallel model
-  and its AdamW (3 units and a root parameter) saved at 2 processes load into a FSDP2 model at
-  3 processes equal to the state tandem had gathered.
+  and its AdamW (3 units and a root parameter) saved at 2 processes (each rank its own slices:
+  tests/checkpoint/test_dcp_sharded.py proves that part) load into a FSDP2 model at 3
+  processes equal to the state tandem had gathered.
 - torch writes, tandem reads: torch's DDP and FSDP2 (the same units), saved with
   ``dcp.save(get_state_dict(...))`` at 2 processes, load through :func:`load_dcp` into
   tandem.DDP and tandem FSDP at 2 and at 3 processes, parameters and optimizer state equal to

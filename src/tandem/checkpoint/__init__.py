@@ -249,7 +249,8 @@ def save(
             (this call raises an earlier one's that nothing waited for).
         format: ``"tandem"`` (this module's files) or ``"dcp"``: a directory of torch's
             distributed checkpoint, laid out as torch's own tools write a model and its
-            optimizer (:mod:`tandem.checkpoint.dcp`; synchronous, ``kind="full"`` only), which
+            optimizer (:mod:`tandem.checkpoint.dcp`: an FSDP model and its optimizer written
+            by every rank, its own slices; synchronous; ``kind`` does not apply), which
             ``torch.distributed.checkpoint.load`` reads.
 
     Returns:
@@ -278,8 +279,10 @@ def save(
     if format == "dcp":
         if async_ or kind != "full":
             raise ValueError(
-                f"format='dcp' is written synchronously and gathered (kind='full'), not with "
-                f"async_={async_!r}, kind={kind!r}: those are the tandem format's"
+                f"format='dcp' is written synchronously, in DCP's own layout (an FSDP model's "
+                f"slices by each rank, the rest by rank 0), so async_={async_!r} and "
+                f"kind={kind!r} do not apply: leave them at async_=False, kind='full', or use "
+                "the tandem format"
             )
         return save_dcp(state, path)
     rank, world_size = _dist.group_rank(), _dist.group_size()

@@ -14,15 +14,28 @@ and its optimizer, under the keys of the state dict passed::
      "scheduler": its state_dict(), "step": a plain value, ...}
 
 which DCP stores flattened (``model.fc.weight``, ``optimizer.state.fc.weight.exp_avg``,
-``optimizer.param_groups.0.lr``). The engines map onto it through their full-state paths
-(:mod:`tandem.parallel.adapters`): tandem.DDP and plain modules give their module's state;
-tandem.FullyShardedDataParallel, tandem.ShardedOptimizer and an optimizer over FSDP shards
-**gather the full tensors to rank 0, which writes them all** (this first version writes no
-DTensor shards: the memory of rank 0 bounds the model, as ``kind="full"`` does). Loading, each
-rank reads the whole tensors of the keys it loads through DCP's planner (no process needs to
-have written them: any world size) and loads them through the same full-state paths, each
-keeping its own slices. Objects with per-rank state (:class:`tandem.checkpoint.RNG`) and
-engines have no place in this layout and are refused; save them with tandem's own format.
+``optimizer.param_groups.0.lr``) with each tensor's global shape in its ``.metadata``.
+
+**Who writes what.** A tandem.FullyShardedDataParallel model and an optimizer over its shards
+are written **sharded, with no gather**: each rank writes the elements of its own flat slices
+to its own file (``__<rank>_0.distcp``), as DCP chunks; rank 0 adds what every rank holds alike
+(buffers, frozen parameters, Adam's per-parameter ``step``, the parameter groups), so no
+process ever holds the whole model. A flat slice is a run of each parameter's elements in
+row-major order, which may start and end mid-row; DCP's chunks are N-d boxes, so each run is
+written as the few boxes it is made of (:func:`boxes`: a partial first row, whole rows, a
+partial last row, and so on one dimension down; at most ``2 * ndim - 1``). DCP's readers take
+any boxes: torch's planner loads them into a plain state dict or into FSDP2's row shards at
+any world size. A plain module, tandem.DDP or torch's DDP (whole on every rank) is written by
+rank 0 alone; a tandem.ShardedOptimizer's state is gathered to rank 0, which writes it (each
+owner writing its own parameters is not done yet).
+
+**Who reads what.** Loading into a tandem FSDP model (and its optimizer), each rank asks DCP's
+reader only for the elements of its own slices (the boxes of its runs; DCP reads the saved
+chunks they overlap), at any world size, whoever wrote the checkpoint: tandem at another world
+size, FSDP2 (row shards), one process. Other objects read the whole tensors of their keys and
+load them through their full-state paths. Objects with per-rank state
+(:class:`tandem.checkpoint.RNG`) and engines have no place in this layout and are refused; save
+them with tandem's own format.
 
 Safer than DCP's own loading: values that are not tensors (hyperparameters, a scheduler's
 state) are unpickled with ``torch.load(weights_only=True)``, so no code in a checkpoint runs.
@@ -47,8 +60,10 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import itertools
+import math
 import warnings
 from collections.abc import Mapping, MutableMapping
 from pathlib import Path
@@ -66,7 +81,7 @@ from tandem.checkpoint.entries import (
 )
 from tandem.checkpoint.phases import agree, classify_state, settle
 from tandem.checkpoint.run_dir import CheckpointError
-from tandem.parallel.adapters import OptimizerState, listed, unwrap
+from tandem.parallel.adapters import FlatPiece, OptimizerState, listed, unwrap
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata
@@ -74,7 +89,7 @@ if TYPE_CHECKING:
 # torch.distributed.checkpoint is imported where it is used: 0.7 s that every process importing
 # tandem.checkpoint would otherwise pay, saving DCP or not.
 
-__all__ = ["is_dcp", "load_dcp", "read_dcp_weights", "save_dcp"]
+__all__ = ["boxes", "is_dcp", "load_dcp", "read_dcp_weights", "save_dcp"]
 
 METADATA = ".metadata"
 
@@ -104,10 +119,11 @@ def save_dcp(state: Mapping[str, Any], path: str | Path) -> Path:
         state: what :func:`tandem.checkpoint.save` takes: key -> model (plain, tandem.DDP,
             torch's DDP, tandem.FullyShardedDataParallel), optimizer (plain,
             tandem.ShardedOptimizer, one over an FSDP model's shards), object with
-            ``state_dict()`` (a scheduler), or plain value. Sharded ones are gathered to
-            rank 0, which writes every tensor (see the module doc). The same keys on every
-            rank.
-        path: the directory; created. DCP writes ``.metadata`` last, on rank 0.
+            ``state_dict()`` (a scheduler), or plain value. An FSDP model and its optimizer
+            are written by every rank, each its own slices; the rest by rank 0 (see the
+            module doc). The same keys on every rank.
+        path: the directory; created. Each rank writes its own file; DCP writes
+            ``.metadata`` last, on rank 0.
 
     Returns:
         ``path``, on every rank.
@@ -131,20 +147,49 @@ def save_dcp(state: Mapping[str, Any], path: str | Path) -> Path:
     except ValueError as error:
         local = ValueError(f"cannot save DCP checkpoint {path}: {error}")
     settle(local)
-    # Every full state is rank 0's (a gather where sharded); the other ranks write nothing.
-    mine = _dist.group_rank() == 0
+    lead = _dist.group_rank() == 0
     out: dict[str, Any] = {}
     for e in entries:
+        if _pieced(e):
+            # Every rank its own elements; rank 0 what all hold alike (buffers, steps, groups).
+            out[e.key] = _pieces_value(e, lead)
+            continue
+        # A whole state is rank 0's (gathered there for a ShardedOptimizer); the others write
+        # none of it.
         value = _saved_value(e, names.get(e.key, []))
-        if mine:
+        if lead:
             out[e.key] = value
     try:
         import torch.distributed.checkpoint as torch_dcp
 
-        torch_dcp.save(out, checkpoint_id=path)
+        torch_dcp.save(out, checkpoint_id=path, planner=_pieces_save_planner())
     except torch_dcp.api.CheckpointException as e:  # raised on every rank by DCP
         raise OSError(f"could not save DCP checkpoint {path}: {e}") from e
     return path
+
+
+def _pieced(entry: Entry) -> bool:
+    """Whether ``entry`` is saved and loaded as each rank's pieces (an FSDP model and an
+    optimizer over its shards), not as one whole state."""
+    return isinstance(entry, ModelEntry | OptimizerEntry) and entry.state.pieced
+
+
+def _pieces_value(entry: Entry, lead: bool) -> Any:
+    """What this rank writes of a pieced ``entry``: its pieces, and on ``lead`` (rank 0) the
+    values every rank holds alike."""
+    if isinstance(entry, ModelEntry):
+        pieces: dict[str, Any] = dict(entry.state.pieces())
+        return {**entry.state.replicated(), **pieces} if lead else pieces
+    assert isinstance(entry, OptimizerEntry)
+    tree = entry.state.pieces()
+    if lead:
+        return tree
+    return {
+        "state": {
+            name: {k: v for k, v in s.items() if isinstance(v, FlatPiece)}
+            for name, s in tree["state"].items()
+        }
+    }
 
 
 def _saved_value(entry: Entry, names: list[str]) -> Any:
@@ -234,27 +279,177 @@ def _group_names(adapter: OptimizerState, names: list[str]) -> list[list[str]]:
     return [names[s : s + n] for s, n in zip(starts, sizes, strict=True)]
 
 
+# -- a rank's pieces as DCP chunks -------------------------------------------------------------
+#
+# DCP describes what a rank writes of a tensor as chunks: N-d boxes (offsets and sizes per
+# dimension) of the whole tensor. tandem's flat shards cut a unit's flat buffer, so a rank holds
+# a run of each parameter's elements in row-major order, not a box: a run that starts and ends
+# mid-row. Every such run is a few boxes, each itself a run: the partial first row, the whole
+# rows, the partial last row, and the same again one dimension down for the partial rows of a
+# 3-d or higher tensor (at most 2*ndim - 1 boxes). The boxes of all ranks tile the tensor
+# exactly, so DCP's own check of a save plan (no overlap, full cover) holds, and any reader
+# (torch's planner with DTensor rows, another tandem world size) takes the parts of each box
+# it overlaps. A rank's pieces are never copied whole anywhere: each box is a view of them.
+
+
+def boxes(shape: tuple[int, ...], start: int, stop: int) -> list[tuple[list[int], list[int]]]:
+    """The boxes ``(offsets, sizes)`` that the elements ``[start, stop)`` (row-major) of a tensor
+    of ``shape`` are made of, in order: each box is itself a run of consecutive elements.
+
+    Example::
+
+        >>> boxes((3, 4), 2, 11)       # the end of row 0, row 1 whole, the start of row 2
+        [([0, 2], [1, 2]), ([1, 0], [1, 4]), ([2, 0], [1, 3])]
+    """
+    if start >= stop:
+        return []
+    if not shape:
+        return [([], [])]  # a 0-d tensor's one element
+    inner = math.prod(shape[1:])  # elements per row (per index of the first dimension)
+    out: list[tuple[list[int], list[int]]] = []
+    row = start // inner
+    if start % inner:  # a partial first row: its own runs, one dimension down
+        end = min(stop, (row + 1) * inner)
+        for offsets, sizes in boxes(shape[1:], start - row * inner, end - row * inner):
+            out.append(([row, *offsets], [1, *sizes]))
+        start, row = end, row + 1
+    whole = stop // inner - row
+    if whole > 0 and start < stop:
+        out.append(([row, *[0] * (len(shape) - 1)], [whole, *shape[1:]]))
+        start, row = (row + whole) * inner, row + whole
+    if start < stop:  # a partial last row
+        for offsets, sizes in boxes(shape[1:], 0, stop - row * inner):
+            out.append(([row, *offsets], [1, *sizes]))
+    return out
+
+
+def _piece_boxes(piece: FlatPiece) -> list[tuple[torch.Size, torch.Size, int]]:
+    """The boxes of ``piece`` with where each begins in ``piece.values``. A tensor with no
+    elements is one empty box (every rank gives it; DCP keeps one)."""
+    if piece.shape.numel() == 0:
+        return [(torch.Size([0] * len(piece.shape)), piece.shape, 0)]
+    out, begin = [], 0
+    for offsets, sizes in boxes(tuple(piece.shape), piece.start, piece.stop):
+        out.append((torch.Size(offsets), torch.Size(sizes), begin))
+        begin += math.prod(sizes)
+    return out
+
+
+def _box_view(piece: FlatPiece, offsets: torch.Size | None) -> torch.Tensor:
+    """The box of ``piece`` at ``offsets``, a view of its values (written and read in place)."""
+    for at, sizes, begin in _piece_boxes(piece):
+        if at == offsets:
+            return piece.values[begin : begin + sizes.numel()].view(sizes)
+    raise ValueError(f"no box at {offsets} in {piece.shape} elements [{piece.start}, {piece.stop})")
+
+
+def _pieces_save_planner() -> Any:
+    """DCP's save planner, with this rank's :class:`FlatPiece` values written as their boxes."""
+    from torch.distributed.checkpoint.default_planner import (
+        DefaultSavePlanner,
+        create_default_local_save_plan,
+    )
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        MetadataIndex,
+        TensorProperties,
+    )
+    from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+    class PiecesSavePlanner(DefaultSavePlanner):
+        def create_local_plan(self) -> Any:
+            whole = {k: v for k, v in self.state_dict.items() if not isinstance(v, FlatPiece)}
+            plan = create_default_local_save_plan(whole, self.is_coordinator)
+            items = list(plan.items)
+            for fqn, piece in self.state_dict.items():
+                if not isinstance(piece, FlatPiece):
+                    continue
+                properties = TensorProperties.create_from_tensor(piece.values)
+                for offsets, sizes, _ in _piece_boxes(piece):
+                    items.append(
+                        WriteItem(
+                            index=MetadataIndex(fqn, offsets),
+                            type=WriteItemType.SHARD,  # several boxes of one tensor
+                            tensor_data=TensorWriteData(
+                                chunk=ChunkStorageMetadata(offsets=offsets, sizes=sizes),
+                                properties=properties,
+                                size=piece.shape,
+                            ),
+                        )
+                    )
+            self.plan = dataclasses.replace(plan, items=items, planner_data=self.mappings)
+            return self.plan
+
+        def lookup_object(self, index: Any) -> Any:
+            value = self.state_dict[index.fqn]
+            if isinstance(value, FlatPiece):
+                return _box_view(value, index.offset)
+            return super().lookup_object(index)
+
+    return PiecesSavePlanner()
+
+
 # -- loading ------------------------------------------------------------------------------------
 
 
 def _safe_load_planner() -> Any:
-    """DCP's planner over a flat dict of its keys, unpickling values with ``weights_only``."""
-    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    """DCP's planner over a flat dict of its keys, unpickling values with ``weights_only``, that
+    reads into a :class:`FlatPiece` only the boxes of the saved chunks its elements overlap."""
+    from torch.distributed.checkpoint.default_planner import (
+        DefaultLoadPlanner,
+        create_default_local_load_plan,
+    )
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorStorageMetadata
+    from torch.distributed.checkpoint.planner import LoadPlan
+    from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
     class SafeLoadPlanner(DefaultLoadPlanner):
+        def set_up_planner(
+            self, state_dict: Any, metadata: Any = None, is_coordinator: bool = False
+        ) -> None:
+            # Not DefaultLoadPlanner's: it turns every value it does not know (a piece) into
+            # None on the way to materialising meta tensors, which this dict never holds.
+            self.original_state_dict = self.state_dict = state_dict
+            self.metadata = metadata
+            self.is_coordinator = is_coordinator
+
+        def create_local_plan(self) -> Any:
+            assert self.metadata is not None  # DCP sets the planner up with it
+            whole = {k: v for k, v in self.state_dict.items() if not isinstance(v, FlatPiece)}
+            items = list(create_default_local_load_plan(whole, self.metadata, True).items)
+            for fqn, piece in self.state_dict.items():
+                if not isinstance(piece, FlatPiece) or piece.shape.numel() == 0:
+                    continue
+                held = self.metadata.state_dict_metadata[fqn]
+                if not isinstance(held, TensorStorageMetadata) or held.size != piece.shape:
+                    raise ValueError(f"{fqn}: the checkpoint holds {held}, not {piece.shape}")
+                chunks = [
+                    ChunkStorageMetadata(offsets=offsets, sizes=sizes)
+                    for offsets, sizes, _ in _piece_boxes(piece)
+                ]
+                items += create_read_items_for_chunk_list(fqn, held, chunks)
+            return LoadPlan(items)
+
+        def lookup_tensor(self, index: Any) -> torch.Tensor:
+            value = self.state_dict[index.fqn]
+            if isinstance(value, FlatPiece):
+                return _box_view(value, index.offset)
+            return super().lookup_tensor(index)
+
         def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
             self.state_dict[read_item.dest_index.fqn] = torch.load(value, weights_only=True)
 
-    return SafeLoadPlanner(flatten_state_dict=False)
+    return SafeLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
 
 
 def load_dcp(state: MutableMapping[str, Any], path: str | Path) -> None:
     """Load the DCP checkpoint at ``path`` into the values of ``state``, in place (a collective).
 
     Each key of ``state`` is read from the checkpoint's entry of that name, in torch's layout
-    (see the module doc): models through their full-state load (FSDP keeps each rank's slices),
-    optimizers by parameter name, stateful objects through ``load_state_dict``, plain values
-    put back into ``state``. Keys the checkpoint holds and ``state`` lacks (a data loader's
+    (see the module doc): an FSDP model and its optimizer by slices (each rank reads only the
+    elements of its own), other models through their full-state load, optimizers by parameter
+    name, stateful objects through ``load_state_dict``, plain values put back into
+    ``state``. Keys the checkpoint holds and ``state`` lacks (a data loader's
     state, say) are not read. Every process must see the directory; any world size.
 
     Args:
@@ -277,13 +472,23 @@ def load_dcp(state: MutableMapping[str, Any], path: str | Path) -> None:
     path = Path(path)
     entries = _agreed_entries(state, path, "load")
     local: Exception | None = None
+    targets: dict[str, Any] = {}  # the buffers a pieced entry's pieces are read into
+    pieces: dict[str, FlatPiece] = {}  # by DCP key
     try:
         metadata = _metadata(path)
         _check_keys(path, metadata, [e.key for e in entries])
+        # Models' keys and shapes from the metadata, before any piece is cut to their shapes.
+        for e in entries:
+            if isinstance(e, ModelEntry):
+                _checked(path, e, _shapes(metadata, e.key), entries)
+        for e in entries:
+            if _pieced(e):
+                mine, targets[e.key] = _empty_pieces(path, e, metadata)
+                pieces.update(mine)
     except (ValueError, CheckpointError) as error:
         local = error
     settle(local)
-    saved = _read(path, metadata, [e.key for e in entries], no_dist=False)
+    saved = _read(path, metadata, [e.key for e in entries], no_dist=False, pieces=pieces)
     loaded: dict[str, Any] = {}
     local = None
     try:
@@ -298,10 +503,56 @@ def load_dcp(state: MutableMapping[str, Any], path: str | Path) -> None:
     local = None
     try:
         for entry in entries:
-            _load_entry(state, entry, loaded[entry.key])
+            _load_entry(state, entry, loaded[entry.key], targets.get(entry.key))
     except Exception as error:  # an object's own refusal: raised on every rank
         local = error
     settle(local)
+
+
+def _shapes(metadata: Metadata, key: str) -> dict[str, Any]:
+    """The model state dict under ``key`` as the metadata describes it: a meta tensor (shape,
+    dtype, no memory) for each tensor, None for other values."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    out: dict[str, Any] = {}
+    for fqn, where in _places(metadata).items():
+        if where[0] == key and len(where) > 1:
+            item = metadata.state_dict_metadata[fqn]
+            out[str(where[1])] = (
+                torch.empty(item.size, dtype=item.properties.dtype, device="meta")
+                if isinstance(item, TensorStorageMetadata) and len(where) == 2
+                else None
+            )
+    return out
+
+
+def _empty_pieces(path: Path, entry: Entry, metadata: Metadata) -> tuple[dict[str, FlatPiece], Any]:
+    """The pieces a pieced ``entry`` reads this rank's elements into, by DCP key, and what
+    they are views of (for its ``load_pieces``)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    fqn_of = {where: fqn for fqn, where in _places(metadata).items()}
+    if isinstance(entry, ModelEntry):
+        by_name, flats = entry.state.empty_pieces()
+        return {fqn_of[(entry.key, name)]: piece for name, piece in by_name.items()}, flats
+    assert isinstance(entry, OptimizerEntry)
+    held: dict[str, dict[str, tuple[torch.Size, torch.dtype]]] = {}
+    for fqn, where in _places(metadata).items():
+        item = metadata.state_dict_metadata[fqn]
+        # (key, "state", parameter name, state key): a tensor of an optimizer's state
+        state_tensor = where[:2] == (entry.key, "state") and len(where) == 4
+        if state_tensor and isinstance(item, TensorStorageMetadata):
+            held.setdefault(str(where[2]), {})[str(where[3])] = (item.size, item.properties.dtype)
+    try:
+        by_key, buffers = entry.state.empty_pieces(held)
+    except ValueError as e:
+        raise ValueError(f"DCP checkpoint {path}: {entry.what}: {e}") from e
+    out = {
+        fqn_of[(entry.key, "state", name, k)]: piece
+        for name, per_key in by_key.items()
+        for k, piece in per_key.items()
+    }
+    return out, buffers
 
 
 def _metadata(path: Path) -> Metadata:
@@ -327,8 +578,11 @@ def _check_keys(path: Path, metadata: Metadata, keys: list[str]) -> None:
         )
 
 
-def _placeholders(path: Path, metadata: Metadata, keys: list[str]) -> dict[str, Any]:
-    """A flat dict of the DCP keys under ``keys``, with an empty tensor for each tensor."""
+def _placeholders(
+    path: Path, metadata: Metadata, keys: list[str], pieces: Mapping[str, FlatPiece]
+) -> dict[str, Any]:
+    """A flat dict of the DCP keys under ``keys``: ``pieces[key]`` where given, else an empty
+    tensor for each tensor (read whole)."""
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
     _check_keys(path, metadata, keys)
@@ -337,7 +591,9 @@ def _placeholders(path: Path, metadata: Metadata, keys: list[str]) -> dict[str, 
     for fqn, item in metadata.state_dict_metadata.items():
         if places.get(fqn, (None,))[0] not in keys:
             continue
-        if isinstance(item, TensorStorageMetadata):
+        if fqn in pieces:
+            flat[fqn] = pieces[fqn]
+        elif isinstance(item, TensorStorageMetadata):
             flat[fqn] = torch.empty(item.size, dtype=item.properties.dtype)
         elif isinstance(item, BytesStorageMetadata):
             flat[fqn] = None
@@ -350,10 +606,17 @@ def _places(metadata: Metadata) -> dict[str, Path_]:
     return {k: tuple(p) for k, p in (metadata.planner_data or {}).items()}
 
 
-def _read(path: Path, metadata: Metadata, keys: list[str], *, no_dist: bool) -> dict[str, Any]:
-    """The entries ``keys`` of the checkpoint, nested as saved, whole tensors (a collective
-    unless ``no_dist``)."""
-    wanted = _placeholders(path, metadata, keys)
+def _read(
+    path: Path,
+    metadata: Metadata,
+    keys: list[str],
+    *,
+    no_dist: bool,
+    pieces: Mapping[str, FlatPiece] | None = None,
+) -> dict[str, Any]:
+    """The entries ``keys`` of the checkpoint, nested as saved: whole tensors, but the DCP keys
+    of ``pieces`` read into them, this rank's elements only (a collective unless ``no_dist``)."""
+    wanted = _placeholders(path, metadata, keys, pieces or {})
     import torch.distributed.checkpoint as torch_dcp
 
     planner = _safe_load_planner()
@@ -465,8 +728,14 @@ def _by_position(entry: OptimizerEntry, saved: Any, names: list[str]) -> dict[st
     }
 
 
-def _load_entry(state: MutableMapping[str, Any], entry: Entry, saved: Any) -> None:
-    if isinstance(entry, ModelEntry | OptimizerEntry):
+def _load_entry(state: MutableMapping[str, Any], entry: Entry, saved: Any, target: Any) -> None:
+    """Load ``saved`` into ``entry``; ``target``: what a pieced entry's pieces were read into."""
+    if isinstance(entry, ModelEntry) and entry.state.pieced:
+        whole = {k: v for k, v in saved.items() if not isinstance(v, FlatPiece)}
+        entry.state.load_pieces(target, whole)
+    elif isinstance(entry, OptimizerEntry) and entry.state.pieced:
+        entry.state.load_pieces(saved, target)
+    elif isinstance(entry, ModelEntry | OptimizerEntry):
         entry.state.load_full(saved)
     elif isinstance(entry, StatefulEntry):
         entry.obj.load_state_dict(saved)

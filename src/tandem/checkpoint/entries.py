@@ -29,9 +29,16 @@ another world size each rank cuts its part anew from the saved parts overlapping
 An optimizer over an FSDP model's shards needs that model in the same state dict: its full
 state names the plain module's parameters, which only the model can map the shards onto.
 
+Hybrid sharding (an FSDP model on a grid of shard groups that replicate each other) writes its
+sharded kind on every rank, so the files hold as many copies of each slice as there are shard
+groups. At another world size an FSDP entry reads one copy: the files of saved rank 0's shard
+group, seen as a flat run's (:func:`tandem.parallel.fsdp.reshard.one_copy`), which is why its
+optimizer's part carries the grid too (``"mesh"``: the model's record).
+
 How each wrapper's state is saved, checked, loaded and resharded is not written here: every
 model and optimizer entry holds its wrapper's adapter (:mod:`tandem.parallel.adapters`), the
-same one the engines use, so this module never asks which wrapper it holds.
+same one the engines use, so this module never asks which wrapper it holds (the grid above
+too is the adapter's: ``grid()``, ``one_copy()``).
 
 Example::
 
@@ -126,9 +133,12 @@ class ModelEntry(Entry):
         return _holds_none(state, "model")
 
     def reshard(self, saved_world_size: int, read: Callable[[int], Any]) -> dict[str, Any]:
+        # One copy of a hybrid FSDP run's slices (every other model's files as they are).
+        saved_world_size, read = self.state.one_copy(saved_world_size, read, _model_part)
         return {"model": self.state.reshard(self.what, saved_world_size, read)}
 
     def check(self, state: Any, shard: dict[str, Any] | None) -> None:
+        _same_grid(self.what, self.state, _part(_part(shard, "model"), "mesh"))
         self.state.check(self.what, _part(state, "model"), _part(shard, "model"))
 
     def load(self, state: Any, shard: dict[str, Any] | None) -> None:
@@ -143,22 +153,34 @@ class OptimizerEntry(Entry):
 
     def __init__(self, key: str, obj: torch.optim.Optimizer, owner: ModelState | None) -> None:
         super().__init__(key, obj)
-        self.state = optimizer_state(obj, owner)  # owner: the FSDP model whose shards it steps
+        self.owner = owner  # the FSDP model whose shards it steps, or None
+        self.state = optimizer_state(obj, owner)
 
     def save(self, kind: Kind) -> tuple[Any, dict[str, Any] | None]:
         full, shard = self.state.save(kind)
-        return {"optimizer": full}, None if shard is None else {"optimizer": shard}
+        if shard is None:
+            return {"optimizer": full}, None
+        part = {"optimizer": shard}
+        grid = self.owner.grid() if self.owner is not None else None
+        if grid is not None:
+            # The optimizer's file part is read without the model's: it names its grid itself.
+            part["mesh"] = grid
+        return {"optimizer": full}, part
 
     def sharded_in(self, state: Any) -> bool:
         return _holds_none(state, "optimizer")
 
     def reshard(self, saved_world_size: int, read: Callable[[int], Any]) -> dict[str, Any]:
         try:
+            if self.owner is not None:
+                saved_world_size, read = self.owner.one_copy(saved_world_size, read, _itself)
             return {"optimizer": self.state.reshard(self.what, saved_world_size, read)}
         except ValueError as e:
             raise ValueError(f"{self.what}: {e}") from e
 
     def check(self, state: Any, shard: dict[str, Any] | None) -> None:
+        if self.owner is not None:
+            _same_grid(self.what, self.owner, _part(shard, "mesh"))
         self.state.check(self.what, _part(state, "optimizer"), _part(shard, "optimizer"))
 
     def load(self, state: Any, shard: dict[str, Any] | None) -> None:
@@ -189,11 +211,14 @@ class EngineEntry(Entry):
 
     def reshard(self, saved_world_size: int, read: Callable[[int], Any]) -> dict[str, Any]:
         try:
+            # One copy of a hybrid FSDP run's slices (every other model's files as they are).
+            saved_world_size, read = self.model.one_copy(saved_world_size, read, _model_part)
             return self.obj.reshard(saved_world_size, read)
         except ValueError as e:
             raise ValueError(f"{self.what}: {e}") from e
 
     def check(self, state: Any, shard: dict[str, Any] | None) -> None:
+        _same_grid(self.what, self.model, _part(_part(shard, "model"), "mesh"))
         self.model.check(self.what, _part(state, "model"), _part(shard, "model"))
         self.optimizer.check(self.what, _part(state, "optimizer"), _part(shard, "optimizer"))
 
@@ -329,6 +354,44 @@ def _owner(
 
 def _part(parts: Any, name: str) -> Any:
     return parts.get(name) if isinstance(parts, Mapping) else None
+
+
+def _model_part(part: Any) -> Any:
+    return _part(part, "model")
+
+
+def _itself(part: Any) -> Any:
+    return part
+
+
+def _same_grid(what: str, owner: ModelState, saved: Any) -> None:
+    """ValueError unless this rank's own shard file was cut on the grid the model has now.
+
+    Called where the checkpoint has as many shard files as there are processes: each rank then
+    loads its own file, which fits only the layout that wrote it (flat over 4 and 2 nodes x 2
+    have the same count and other slices).
+    """
+    mine = owner.grid()
+    if saved is None or mine is None:
+        return  # no shard here, or written before files named their grid
+    if saved == mine:
+        return
+    raise ValueError(
+        f"{what}: this rank's shard file was cut on {_grid(saved)}, and the model is "
+        f"{_grid(mine)}: with as many processes as shard files each rank loads its own, which "
+        "fits only the layout that wrote it. Load it with that layout (then save kind='full' "
+        "to change it), or at another number of processes, where the shards are cut anew"
+    )
+
+
+def _grid(record: Mapping[str, Any]) -> str:
+    shard, replicate = list(record["shard_ranks"]), list(record["replicate_ranks"])
+    if len(replicate) == 1:
+        return f"flat sharding over ranks {shard}"
+    return (
+        f"hybrid sharding of {len(replicate)} x {len(shard)} ranks (shard group {shard}, "
+        f"replicate group {replicate})"
+    )
 
 
 def _holds_none(state: Any, name: str) -> bool:

@@ -34,18 +34,25 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from tandem._dist import group_rank
+from tandem._dist import agree, group_rank
 from tandem.parallel.ddp.wrapper import DistributedDataParallel
 from tandem.parallel.dp.wrapper import DataParallel
 from tandem.parallel.fsdp import reshard as fsdp_reshard
-from tandem.parallel.fsdp.state import SHARDED_FORMAT, _PlainIndex
+from tandem.parallel.fsdp.flat import FlatUnit
+from tandem.parallel.fsdp.state import (
+    SHARDED_FORMAT,
+    _first_keys_difference,
+    _PlainIndex,
+    mesh_record,
+)
 from tandem.parallel.fsdp.wrapper import FullyShardedDataParallel
 from tandem.parallel.zero import ShardedOptimizer
 
@@ -91,6 +98,10 @@ class StateAdapter:
 
     #: Whether the object holds shards (so the ``"sharded"`` kind has something to write).
     sharded: bool = False
+    #: Whether it gives this rank's elements of each tensor as :class:`FlatPiece` runs
+    #: (``pieces()`` / ``empty_pieces()`` / ``load_pieces()``): what DCP's sharded
+    #: checkpoints write and read, with no gather.
+    pieced: bool = False
 
     def full(self, to: int = 0) -> Any:
         """The whole state on rank ``to`` (a collective where sharded); replicated objects
@@ -127,6 +138,53 @@ class StateAdapter:
             self.load_shard(shard)
         else:
             self.load_full(full)
+
+
+# -- this rank's elements of each tensor (DCP's sharded checkpoints) -----------------------------
+
+
+@dataclass(frozen=True)
+class FlatPiece:
+    """A run of one tensor's elements that this rank holds.
+
+    ``values`` (1-D) are the elements ``[start, start + values.numel())`` of a tensor of
+    ``shape``, counted in row-major order: a flat FSDP shard cuts each parameter so, wherever
+    the unit's flat buffer was cut, not along its rows.
+
+    Example::
+
+        >>> piece = FlatPiece(torch.Size([3, 4]), 5, torch.arange(4.0))   # elements 5..8
+        >>> piece.stop
+        9
+    """
+
+    shape: torch.Size
+    start: int
+    values: torch.Tensor
+
+    @property
+    def stop(self) -> int:
+        return self.start + self.values.numel()
+
+
+def _unit_pieces(unit: FlatUnit, flat: torch.Tensor) -> dict[str, FlatPiece]:
+    """``{fqn: piece}`` of every parameter of the unit: the elements of it that ``flat`` (a
+    tensor shaped like this rank's shard: the shard, an optimizer state of it, a buffer to read
+    into) holds, as a view of ``flat``; an empty run where it holds none. The padding belongs to
+    no parameter and is left out."""
+    own = unit.own
+    out: dict[str, FlatPiece] = {}
+    for e in unit.entries:
+        lo, hi = max(own.start, e.offset), min(own.stop, e.offset + e.numel)
+        if hi > lo:
+            out[e.fqn] = FlatPiece(e.shape, lo - e.offset, flat[lo - own.start : hi - own.start])
+        else:
+            out[e.fqn] = FlatPiece(e.shape, 0, flat[:0])
+    return out
+
+
+#: Buffers an optimizer's state is read into, by ``(id(shard parameter), state key)``.
+PieceBuffers = dict[tuple[int, str], torch.Tensor]
 
 
 # -- models -------------------------------------------------------------------------------------
@@ -183,6 +241,22 @@ class ModelState(StateAdapter):
         """``id`` of each shard parameter an optimizer may step -> this model (FSDP's)."""
         return {}
 
+    def pieces(self, flats: Sequence[torch.Tensor] | None = None) -> dict[str, FlatPiece]:
+        """This rank's elements of each sharded tensor, by key (:attr:`pieced` models only)."""
+        raise NotImplementedError
+
+    def replicated(self) -> dict[str, torch.Tensor]:
+        """The state every rank holds whole (:attr:`pieced` models only)."""
+        raise NotImplementedError
+
+    def empty_pieces(self) -> tuple[dict[str, FlatPiece], list[torch.Tensor]]:
+        """Pieces to read into, and the buffers under them (:attr:`pieced` models only)."""
+        raise NotImplementedError
+
+    def load_pieces(self, flats: Sequence[torch.Tensor], replicated: Mapping[str, Any]) -> None:
+        """Load what :meth:`empty_pieces` was read into (:attr:`pieced` models only)."""
+        raise NotImplementedError
+
     def engine_state(self) -> Any:
         """tandem.DDP's bucket order (None without one)."""
         return self.reducer.state_dict() if self.reducer is not None else None
@@ -214,6 +288,20 @@ class ModelState(StateAdapter):
 
     def reshard(self, what: str, saved_world_size: int, read: Reader) -> Any:
         raise self._not_sharded(what)
+
+    def grid(self) -> dict[str, list[int]] | None:
+        """The grid its shard files are cut on (FSDP's shard and replicate groups, as global
+        ranks), recorded in each file so that a load can tell layouts apart; None for a model
+        that writes no shard files."""
+        return None
+
+    def one_copy(
+        self, saved_world_size: int, read: Reader, first: Callable[[Any], Any]
+    ) -> tuple[int, Reader]:
+        """The saved shard files as one copy of every slice (``(count, read)``): a hybrid
+        run's files hold a copy per replica (:func:`tandem.parallel.fsdp.reshard.one_copy`);
+        the files of any other model come back as they are."""
+        return saved_world_size, read
 
     def _not_sharded(self, what: str) -> ValueError:
         return ValueError(
@@ -249,6 +337,7 @@ class ShardedModel(ModelState):
     flat shards as they are; a sharded state is cut anew for another world size."""
 
     sharded = True
+    pieced = True
 
     def __init__(self, fsdp: FullyShardedDataParallel) -> None:
         self.target = fsdp
@@ -296,6 +385,36 @@ class ShardedModel(ModelState):
     def shard_owners(self) -> dict[int, ModelState]:
         return {id(unit.shard): self for unit in self.fsdp.units}
 
+    def pieces(self, flats: Sequence[torch.Tensor] | None = None) -> dict[str, FlatPiece]:
+        """This rank's elements of every flattened parameter, by ``state_dict`` key (each key
+        of a tied parameter), as views of ``flats`` (one shard-shaped tensor per unit; default:
+        the shards themselves). No communication: no rank ever holds a whole parameter here."""
+        units = self.fsdp.layout.units
+        flats = [u.shard.detach() for u in units] if flats is None else flats
+        by_fqn: dict[str, FlatPiece] = {}
+        for unit, flat in zip(units, flats, strict=True):
+            by_fqn.update(_unit_pieces(unit, flat))
+        return {key: by_fqn[fqn] for key, fqn in self.fsdp.layout.key_fqn.items()}
+
+    def replicated(self) -> dict[str, torch.Tensor]:
+        """The state every rank holds whole: buffers and frozen parameters, by key."""
+        return dict(self.fsdp.layout.module.state_dict())
+
+    def empty_pieces(self) -> tuple[dict[str, FlatPiece], list[torch.Tensor]]:
+        """Pieces to read this rank's elements into (:meth:`pieces` of fresh zeroed buffers)
+        and those buffers, for :meth:`load_pieces`."""
+        flats = [torch.zeros_like(u.shard, requires_grad=False) for u in self.fsdp.layout.units]
+        return self.pieces(flats), flats
+
+    def load_pieces(self, flats: Sequence[torch.Tensor], replicated: Mapping[str, Any]) -> None:
+        """Load the buffers of :meth:`empty_pieces`, read, as the shards, and the
+        replicated state (buffers, frozen parameters) into the module."""
+        layout = self.fsdp.layout
+        with torch.no_grad():
+            for unit, flat in zip(layout.units, flats, strict=True):
+                unit.shard.copy_(flat)  # a new version: a kept ``full`` (stage 2) is stale now
+        layout.module.load_state_dict(dict(replicated))
+
     def expected_shapes(self) -> dict[str, tuple[int, ...] | None]:
         layout = self.fsdp.layout
         by_fqn = {e.fqn: tuple(e.shape) for unit in layout.units for e in unit.entries}
@@ -324,6 +443,14 @@ class ShardedModel(ModelState):
             )
         rest = {k: _shape(v) for k, v in layout.module.state_dict().items()}
         check_keys_and_shapes(what, "model (buffers, frozen parameters)", rest, shard["rest"])
+
+    def grid(self) -> dict[str, list[int]] | None:
+        return mesh_record(self.fsdp.layout)
+
+    def one_copy(
+        self, saved_world_size: int, read: Reader, first: Callable[[Any], Any]
+    ) -> tuple[int, Reader]:
+        return fsdp_reshard.one_copy(saved_world_size, read, first)
 
     def reshard(self, what: str, saved_world_size: int, read: Reader) -> dict[str, Any]:
         """This rank's ``sharded_state_dict()``, cut from the ``"model"`` parts of the saved
@@ -357,6 +484,20 @@ class OptimizerState(StateAdapter):
     def param_counts(self) -> list[int]:
         """Parameters per group, as the full state dict counts them."""
         return [len(g["params"]) for g in self.optimizer.param_groups]
+
+    def pieces(self) -> dict[str, Any]:
+        """The state by parameter name, element-wise values as pieces (:attr:`pieced` only)."""
+        raise NotImplementedError
+
+    def empty_pieces(
+        self, saved: Mapping[str, Mapping[str, tuple[torch.Size, torch.dtype]]]
+    ) -> tuple[dict[str, dict[str, FlatPiece]], PieceBuffers]:
+        """Pieces to read into, and the buffers under them (:attr:`pieced` only)."""
+        raise NotImplementedError
+
+    def load_pieces(self, state: Mapping[str, Any], buffers: PieceBuffers) -> None:
+        """Load what :meth:`empty_pieces` was read into (:attr:`pieced` only)."""
+        raise NotImplementedError
 
     def full_names(self) -> list[str] | None:
         """The parameter name of each position of the full state dict, where this adapter
@@ -415,18 +556,28 @@ class ZeroOptimizer(OptimizerState):
         if got != mine:
             raise ValueError(
                 f"{what}: the optimizer shard of rank {got[0]} of {got[1]} (owners "
-                f"{got[2]}) cannot load into rank {mine[0]} of {mine[1]} (owners {mine[2]})"
+                f"{got[2]}) cannot load into rank {mine[0]} of {mine[1]} (owners {mine[2]}); "
+                "ranks and world sizes count within the group the state is sharded over (a "
+                "hybrid run's node): at the same world size the layout must be the one that "
+                "saved it; save with kind='full' to load into any layout"
             )
 
     def reshard(self, what: str, saved_world_size: int, read: Reader) -> dict[str, Any]:
         """The state of the parameters this rank owns now, from their old owners
-        (:meth:`tandem.parallel.zero.ShardedOptimizer.reshard_state_dicts`)."""
-        files = {q: read(q) for q in self.optimizer.source_ranks(saved_world_size)}
-        if any("model" in f for f in files.values() if isinstance(f, dict)):
+        (:meth:`tandem.parallel.zero.ShardedOptimizer.reshard_state_dicts`).
+
+        The saved state was cut over the ``row`` saved rank 0's file names (a hybrid run's
+        node; every rank of a flat run, whose older files name none): each slice is read from
+        that row's files, whatever the other nodes hold (the same again)."""
+        first = read(0)
+        if isinstance(first, dict) and "model" in first:
             raise ValueError(
                 "the shard files hold FSDP model shards; this model is not a "
                 "tandem.FullyShardedDataParallel"
             )
+        row = list(parts({0: first}, "optimizer")[0].get("row") or range(saved_world_size))
+        needed = self.optimizer.source_ranks(len(row))
+        files = {s: read(row[s]) for s in needed}  # keyed by the saved rank within the row
         return self.optimizer.reshard_state_dicts(parts(files, "optimizer"))
 
 
@@ -435,6 +586,7 @@ class ShardOptimizer(OptimizerState):
     parameters (gathered to one rank); a shard's element-wise state is cut like the shards."""
 
     sharded = True
+    pieced = True
 
     def __init__(self, optimizer: torch.optim.Optimizer, owner: ShardedModel) -> None:
         super().__init__(optimizer)
@@ -461,6 +613,135 @@ class ShardOptimizer(OptimizerState):
 
     def _check_shard(self, what: str, shard: Any) -> None:
         check_groups(what, super().param_counts(), shard)
+
+    def pieces(self) -> dict[str, Any]:
+        """This optimizer's state in the plain layout by parameter name (what
+        ``get_state_dict`` gives a plain optimizer: ``{"state": {name: {key: value}},
+        "param_groups": [{..., "params": [names]}]}``), with each element-wise value (Adam's
+        moments) as this rank's :class:`FlatPiece` of it and the per-parameter values (Adam's
+        ``step``) as they are: the same on every rank. A collective: the ranks first compare
+        which state they hold (a rank with other keys would write a checkpoint with holes)."""
+        layout = self.fsdp.layout
+        plain = _PlainIndex(layout)
+        saved = self.optimizer.state_dict()
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        agree(
+            sorted(
+                (i, sorted(saved["state"].get(i, {})))
+                for i, p in enumerate(params)
+                if id(p) in plain.units
+            ),
+            "the optimizer's state (which shards hold it, under which keys)",
+            layout.process_group,
+            explain=_first_keys_difference,
+            fix="Step the optimizer on every rank alike before saving",
+        )
+        state: dict[str, dict[str, Any]] = {}
+        for p in params:
+            own = self.optimizer.state.get(p, {})
+            unit = plain.units.get(id(p))
+            if not own:
+                continue
+            if unit is None:  # a whole parameter (frozen in FSDP's eyes): the same everywhere
+                state[plain.names[id(p)][0]] = dict(own)
+                continue
+            per_entry: dict[str, dict[str, Any]] = {e.fqn: {} for e in unit.entries}
+            for key, value in own.items():
+                if isinstance(value, torch.Tensor) and value.shape == unit.shard.shape:
+                    for fqn, piece in _unit_pieces(unit, value.detach()).items():
+                        per_entry[fqn][key] = piece
+                else:
+                    for slot in per_entry.values():
+                        slot[key] = value
+            state.update(per_entry)
+        groups = [
+            {
+                **{k: v for k, v in g.items() if k != "params"},
+                "params": [layout.param_fqns[i] for i in plain.group_ids(group)],
+            }
+            for g, group in zip(saved["param_groups"], self.optimizer.param_groups, strict=True)
+        ]
+        names = {n: i for i, n in enumerate(layout.param_fqns)}
+        return {
+            "state": dict(sorted(state.items(), key=lambda kv: names[kv[0]])),
+            "param_groups": groups,
+        }
+
+    def empty_pieces(
+        self, saved: Mapping[str, Mapping[str, tuple[torch.Size, torch.dtype]]]
+    ) -> tuple[dict[str, dict[str, FlatPiece]], PieceBuffers]:
+        """Pieces to read this rank's elements of the checkpoint's element-wise state into,
+        by parameter name and key, and the buffers under them (one shard-shaped tensor per
+        shard and key) for :meth:`load_pieces`.
+
+        ``saved``: the shape and dtype of every tensor of the checkpoint's state, by parameter
+        name and key. A value shaped like its parameter is element-wise (for 0-d parameters,
+        any but ``step``: tandem's rule for the full state); a 0-d one is per parameter, read
+        whole. ValueError for one of any other shape: it fits no optimizer over this model.
+        """
+        out: dict[str, dict[str, FlatPiece]] = {}
+        buffers: PieceBuffers = {}
+        for unit in self.fsdp.layout.units:
+            keys: dict[str, torch.dtype] = {}
+            for e in unit.entries:
+                for key, (shape, dtype) in saved.get(e.fqn, {}).items():
+                    if tuple(shape) == tuple(e.shape) and (len(e.shape) or key != "step"):
+                        keys[key] = dtype
+                    elif len(shape):
+                        raise ValueError(
+                            f"the checkpoint's optimizer state {key!r} of {e.fqn} has shape "
+                            f"{tuple(shape)}, its parameter {tuple(e.shape)}: it belongs to "
+                            "another model"
+                        )
+            for key, dtype in keys.items():
+                flat = torch.zeros(unit.shard.shape, dtype=dtype, device=unit.shard.device)
+                buffers[(id(unit.shard), key)] = flat
+                pieces = _unit_pieces(unit, flat)
+                for e in unit.entries:
+                    if key in saved.get(e.fqn, {}):
+                        out.setdefault(e.fqn, {})[key] = pieces[e.fqn]
+        return out, buffers
+
+    def load_pieces(self, state: Mapping[str, Any], buffers: PieceBuffers) -> None:
+        """Load a plain optimizer state dict by position (see :meth:`full`) whose element-wise
+        values are the pieces of :meth:`empty_pieces`, read into ``buffers``: each shard's
+        state is its buffers, its per-parameter values its first parameter's."""
+        plain = _PlainIndex(self.fsdp.layout)
+        inner_state: dict[int, dict[str, Any]] = {}
+        inner_groups = []
+        j = 0
+        for saved, group in zip(state["param_groups"], self.optimizer.param_groups, strict=True):
+            expected = plain.group_ids(group)
+            if sorted(saved["params"]) != expected:
+                raise ValueError(
+                    f"optimizer state group with parameters {sorted(saved['params'])} does not "
+                    f"match this optimizer's group of parameters {expected} (plain module order)"
+                )
+            ids = []
+            for p in group["params"]:
+                unit = plain.units.get(id(p))
+                held = [state["state"].get(plain.index[n]) for n in plain.names[id(p)]]
+                if unit is None:
+                    if held[0] is not None:
+                        inner_state[j] = dict(held[0])
+                elif any(s is not None for s in held):
+                    missing = [
+                        n for n, s in zip(plain.names[id(p)], held, strict=True) if s is None
+                    ]
+                    if missing:
+                        raise ValueError(f"optimizer state has no entry for parameters {missing}")
+                    first = held[0]
+                    assert first is not None  # checked above
+                    inner_state[j] = {
+                        k: buffers[(id(p), k)] if isinstance(v, FlatPiece) else v
+                        for k, v in first.items()
+                    }
+                ids.append(j)
+                j += 1
+            inner_groups.append(
+                {**{k: v for k, v in saved.items() if k != "params"}, "params": ids}
+            )
+        self.optimizer.load_state_dict({"state": inner_state, "param_groups": inner_groups})
 
     def reshard(self, what: str, saved_world_size: int, read: Reader) -> dict[str, Any]:
         layout = self.fsdp.layout

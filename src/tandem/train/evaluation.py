@@ -16,6 +16,7 @@ from collections.abc import Iterable, Sized
 from typing import Any, cast
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from tandem._dist import gather_objects, group_size
@@ -106,9 +107,15 @@ def _class_scores(outputs: Any, targets: Any) -> bool:
 
 
 def lockstep_forwards(model: nn.Module, eval_data: Any, batch_size: int) -> int | None:
-    """The evaluation steps every rank must run for ``model``: None (no rule) unless it is a
-    FullyShardedDataParallel model, whose forwards gather parameters (collectives); then rank
-    0's batch count, the largest, as EvalSampler gives the first ranks one sample more.
+    """The evaluation steps this rank must run for ``model``: None (no rule) unless it is a
+    FullyShardedDataParallel model, whose forwards gather parameters within its shard group;
+    then the largest batch count among that group's ranks.
+
+    The evaluation set is dealt over every rank of the job (:class:`tandem.data.EvalSampler`
+    at the world's size), not over the shard group: with hybrid sharding each replica
+    evaluates its own part too. Only the ranks of one shard group meet in the forward's
+    collectives (hybrid sharding's replicas never do before a backward), so they run as many
+    forwards as the busiest of them, and another group may run one fewer.
 
     Raises:
         ValueError: an FSDP model and fewer samples than ranks (a rank without a batch could
@@ -121,11 +128,14 @@ def lockstep_forwards(model: nn.Module, eval_data: Any, batch_size: int) -> int 
     wrapper = model_state(model)
     if eval_data is None or not wrapper.forward_is_collective:
         return None
-    n, world = len(cast(Sized, eval_data)), group_size(wrapper.process_group)
+    # The EvalSampler's cut: over the world, by global rank (tandem.train.loaders).
+    n, world = len(cast(Sized, eval_data)), group_size()
     if n < world:
         raise ValueError(
             f"eval_data has {n} samples for {world} ranks: with a FullyShardedDataParallel "
             "model every rank runs each evaluation forward, so every rank needs a sample; "
             "evaluate a larger set, or on fewer processes"
         )
-    return -(-len(shard_range(n, world, 0)) // batch_size)
+    group = wrapper.process_group
+    members = range(world) if group is None else dist.get_process_group_ranks(group)
+    return max(-(-len(shard_range(n, world, q)) // batch_size) for q in members)

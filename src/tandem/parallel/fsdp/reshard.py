@@ -18,6 +18,13 @@ on this rank had the run been at ``W'`` ranks all along, so the ordinary loading
 checks) takes them. No communication: each rank reads files, so the files of the ranks it
 needs must be visible to it (a shared file system).
 
+Hybrid sharding (rows of ``S`` ranks cutting the units, ``R`` rows holding the same slices)
+writes ``R`` copies: every rank its own file, so that each rank resumes from its own disk at
+the layout that wrote them. Along the second dimension nothing is cut, so another layout reads
+one copy: :func:`replica_ranks`, the row of saved rank 0, read as the files of a flat run of
+``S`` ranks (:func:`one_copy`); the first dimension is then the flat resharding above. Any
+layout reads any other this way: hybrid to flat, flat to hybrid, one node count to another.
+
 Example::
 
     files = {q: torch.load(shard_file(q)) for q in source_ranks(model.layout, saved_world_size)}
@@ -29,14 +36,74 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 import torch
 
 from tandem.parallel.fsdp.layout import FsdpLayout
-from tandem.parallel.fsdp.state import SHARDED_FORMAT, aliases
+from tandem.parallel.fsdp.state import SHARDED_FORMAT, aliases, mesh_record
 from tandem.parallel.sharding import flat_shard, padded_numel
+
+T = TypeVar("T")
+
+
+def replica_ranks(first: Any, saved_world_size: int) -> list[int]:
+    """The saved ranks whose files hold one copy of every slice, in slice order.
+
+    That is the shard group of saved rank 0 (its ``"mesh"`` record,
+    :func:`tandem.parallel.fsdp.state.mesh_record`): with hybrid sharding the other rows hold
+    the same slices (their gradients all-reduced, their optimizers stepped alike), so one row
+    is the whole model, whichever. Files without the record (flat runs, written before it
+    existed) are one row of ``saved_world_size`` ranks.
+
+    Args:
+        first: saved rank 0's sharded state dict, or any mapping holding its ``"mesh"``.
+        saved_world_size: how many shard files the checkpoint has.
+
+    Raises:
+        ValueError: the record is not a row of ranks among the files that contains rank 0 and
+            divides them into rows of one size.
+
+    Example::
+
+        replica_ranks(torch.load(shard_file(0))["model"], 4)    # [0, 1] for 2 nodes x 2
+    """
+    record = first.get("mesh") if isinstance(first, Mapping) else None
+    if record is None:
+        return list(range(saved_world_size))
+    row = list(record.get("shard_ranks", ())) if isinstance(record, Mapping) else []
+    valid = all(isinstance(q, int) and 0 <= q < saved_world_size for q in row)
+    if not valid or 0 not in row or len(set(row)) != len(row) or saved_world_size % len(row):
+        raise ValueError(
+            f"saved rank 0's shard file records the shard group {row} for a checkpoint of "
+            f"{saved_world_size} shard files: not a row of them holding rank 0; the files are "
+            "not one checkpoint's (load them where they were written, or save kind='full')"
+        )
+    return row
+
+
+def one_copy(
+    saved_world_size: int, read: Callable[[int], T], first: Callable[[T], Any]
+) -> tuple[int, Callable[[int], T]]:
+    """A checkpoint's shard files seen as a flat run's: ``(its shard group's size, read)``.
+
+    ``read(q)`` gives saved rank ``q``'s file (or this object's part of it); the result's
+    ``read(s)`` gives the file of slice ``s`` of one copy (:func:`replica_ranks`), so that
+    :func:`source_ranks` and the reshard functions below, which know flat cuts only, take a
+    hybrid run's files. ``first`` finds the sharded state dict (its ``"mesh"``) in saved rank
+    0's part, which is read for it. A flat run's files come back as they are.
+
+    Example::
+
+        size, read = one_copy(4, lambda q: files[q], lambda part: part["model"])
+        shard = reshard_sharded_state_dict(
+            layout, {s: read(s)["model"] for s in source_ranks(layout, size)})
+    """
+    row = replica_ranks(first(read(0)), saved_world_size)
+    if row == list(range(saved_world_size)):
+        return saved_world_size, read
+    return len(row), lambda s: read(row[s])
 
 
 def source_ranks(layout: FsdpLayout, world_size: int) -> list[int]:
@@ -113,7 +180,8 @@ def reshard_sharded_state_dict(layout: FsdpLayout, saved: Mapping[int, Any]) -> 
                 + (
                     ": a hybrid-sharded model wrote these files, every shard group a copy of "
                     f"the {world} slices; pass one shard group's shards here, by their rank in "
-                    "it, or save a full checkpoint to load at another world size"
+                    "it (replica_ranks(files[0], len(files)) names them; tandem.checkpoint does "
+                    "this itself), or save a full checkpoint"
                     if hybrid
                     else ""
                 )
@@ -136,6 +204,7 @@ def reshard_sharded_state_dict(layout: FsdpLayout, saved: Mapping[int, Any]) -> 
         "aliases": aliases(layout),
         "shards": shards,
         "rest": first["rest"],
+        "mesh": mesh_record(layout),
     }
 
 

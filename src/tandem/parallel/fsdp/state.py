@@ -8,9 +8,11 @@
   element-wise state (Adam's moments, momentum) is gathered and cut back into parameters;
   per-parameter scalars (Adam's ``step``) are copied to every parameter of the shard.
 - **Sharded**: each rank's shards as they are, with the layout they were cut by (and the other
-  keys of tied weights, which the layout names once: :func:`aliases`); one file per
-  rank, no communication, and it loads only at the same world size into the same model (both
-  checked, with an error that points to the full form).
+  keys of tied weights, which the layout names once: :func:`aliases`) and the grid they were
+  cut on (:func:`mesh_record`); one file per rank, no communication, and it loads only at the
+  same world size into the same model (both checked, with an error that points to the full
+  form). With hybrid sharding every replica's file holds the same slices: each shard group's
+  files are one copy of the model.
 - **Resharded**: shards saved at another world size are cut anew for this rank by
   :mod:`tandem.parallel.fsdp.reshard`, into what :func:`sharded_state_dict` would hold here.
 
@@ -103,6 +105,26 @@ def sharded_state_dict(layout: FsdpLayout) -> dict[str, Any]:
         "aliases": aliases(layout),
         "shards": [unit.shard.detach().cpu().clone() for unit in layout.units],
         "rest": {k: v.detach().cpu() for k, v in layout.module.state_dict().items()},
+        "mesh": mesh_record(layout),
+    }
+
+
+def mesh_record(layout: FsdpLayout) -> dict[str, list[int]]:
+    """The grid a sharded state dict was cut on, as this rank sees it (global ranks).
+
+    ``"shard_ranks"`` is this rank's shard group in slice order (its files, read in that order,
+    tile every unit); ``"replicate_ranks"`` the ranks holding the same slices (this rank alone
+    in flat sharding). A reader at another layout takes one copy of every slice from them:
+    :func:`tandem.parallel.fsdp.reshard.replica_ranks`.
+
+    Example::
+
+        mesh_record(hybrid.layout)   # on rank 3 of 2 nodes x 2:
+        # {"shard_ranks": [2, 3], "replicate_ranks": [1, 3]}
+    """
+    return {
+        "shard_ranks": list(layout.mesh.shard.ranks),
+        "replicate_ranks": list(layout.mesh.replicate.ranks),
     }
 
 
