@@ -15,6 +15,13 @@ once across the group instead of once per rank. One ``step()``:
 
 With one process (no process group) the owner of everything is rank 0, the inner optimizer
 covers all parameters and phase 3 has nothing to send.
+
+Hybrid (``hybrid=True``, or ``shard_group=`` with ``replicate_group=``): the ranks form a grid
+(:mod:`tandem.groups`), rows the nodes. The state is sharded within the row only: owners are
+assigned over the row's ranks, so rank i of every node owns the same parameters and each node
+holds one full copy of the state, split over its own ranks; phase 3 broadcasts within the row,
+and nothing crosses the nodes' links in ``step()``. The gradients are the mean over every rank
+already (tandem.DDP, flat or hybrid), so the rows step alike.
 """
 
 from __future__ import annotations
@@ -26,9 +33,10 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
-from tandem._dist import global_rank, group_rank, group_size, require_process_group
+from tandem._dist import global_rank, global_ranks, group_rank, group_size, require_process_group
 from tandem._profile import span
 from tandem.doctor import records, step_clock
+from tandem.groups import GridNames, resolve_grid
 from tandem.parallel.replicas import verify_same_parameters
 from tandem.parallel.sharding import assign_owners, owned_indices
 
@@ -52,6 +60,15 @@ class ShardedOptimizer(Optimizer):
             every rank (checked).
         optimizer_class: the inner optimizer, e.g. ``torch.optim.AdamW``.
         process_group: the group the parameters are sharded over (default: the whole world).
+        hybrid: ``True``: shard within each node only (the launcher's node layout,
+            ``LOCAL_WORLD_SIZE`` ranks per node): every node holds the whole state, split over
+            its ranks, and updated parameters are exchanged within the node. On one node it is
+            the flat form. Not with ``process_group``.
+        shard_group: with ``replicate_group``, the grid made by hand: this rank's row, the
+            group the state is sharded over. Alone, the same as ``process_group``.
+        replicate_group: this rank's column (its place on every other row); checked with
+            ``shard_group`` to form a grid (ValueError on every rank if not). No collective
+            of ``step()`` runs in it.
         **defaults: the inner optimizer's arguments (``lr``, ``momentum``, ...).
 
     Example::
@@ -69,19 +86,38 @@ class ShardedOptimizer(Optimizer):
         optimizer_class: type[Optimizer],
         *,
         process_group: dist.ProcessGroup | None = None,
+        hybrid: bool = False,
+        shard_group: dist.ProcessGroup | None = None,
+        replicate_group: dist.ProcessGroup | None = None,
         **defaults: Any,
     ) -> None:
         require_process_group("tandem.ShardedOptimizer")
         groups = _as_groups(params)
-        self.process_group = process_group
+        # Every rank of the grid (the process group itself when flat): checks and full states.
+        everyone = process_group
+        if hybrid is not False or shard_group is not None or replicate_group is not None:
+            grid = resolve_grid(
+                process_group=process_group,
+                shard_group=shard_group,
+                replicate_group=replicate_group,
+                hybrid=hybrid,
+                names=GRID_NAMES,
+                wrapper="tandem.ShardedOptimizer",
+            )
+            process_group, everyone = grid.shard.group, grid.everyone.group
+            replicate_group = grid.replicate.group
+        self.process_group = process_group  # the row: the state is sharded over it
+        self.replicate_group = replicate_group  # None when flat
+        self._everyone = everyone
         self.world_size = group_size(process_group)
         self.rank = group_rank(process_group)
+        self._row = global_ranks(process_group)  # the row's global ranks, by group rank
         self.params = [p for g in groups for p in g["params"]]
         # The owners are computed independently on every rank: different parameters would
         # mean different owners and a hang in phase 3, so fail on every rank now instead.
         verify_same_parameters(
             [(f"param_groups[{i}]", p) for i, g in enumerate(groups) for p in g["params"]],
-            process_group,
+            everyone,
             wrapper="tandem.ShardedOptimizer",
         )
         self.owners = assign_owners(self._sizes(), self.world_size)
@@ -172,7 +208,12 @@ class ShardedOptimizer(Optimizer):
             inner.update({k: v for k, v in outer.items() if k != "params"})
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's shard of the state; loads back on the same rank and world size."""
+        """This rank's shard of the state; loads back on the same rank and world size.
+
+        ``rank`` and ``world_size`` are this rank's place in the group the state is sharded
+        over (hybrid: the node's), ``row`` that group's global ranks: a run of another layout
+        finds every slice in the files of ``row`` (see ``tandem.parallel.adapters``).
+        """
         # Saved after scheduler.step() and before the next step(): the lr the scheduler set.
         self._hyperparameters_to_inner()
         return {
@@ -180,6 +221,7 @@ class ShardedOptimizer(Optimizer):
             "rank": self.rank,
             "world_size": self.world_size,
             "owners": list(self.owners),
+            "row": list(self._row),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -199,6 +241,9 @@ class ShardedOptimizer(Optimizer):
         """Gather the full state on group rank ``to``, as a plain optimizer's ``state_dict()``.
 
         A collective: every rank must call it. Returns the dict on rank ``to``, None elsewhere.
+        Hybrid: ``to`` is a rank of the whole grid (a global rank when it spans the world); the
+        ranks of its node gather there (each node holds the whole state), the others send
+        nothing.
 
         Example::
 
@@ -206,8 +251,12 @@ class ShardedOptimizer(Optimizer):
             if rank == 0:
                 torch.optim.AdamW(model.parameters()).load_state_dict(full)   # loads as is
         """
-        if not 0 <= to < self.world_size:
-            raise ValueError(f"to={to} not in [0, {self.world_size})")
+        ranks = group_size(self._everyone)
+        if not 0 <= to < ranks:
+            raise ValueError(f"to={to} not in [0, {ranks})")
+        dst = global_rank(self._everyone, to)
+        if dst not in self._row:
+            return None  # another node gathers the state: this one holds the same
         self._hyperparameters_to_inner()  # as in state_dict(): the scheduler's latest lr
         inner = self.optimizer.state_dict()
         mine = self._global_indices()
@@ -216,15 +265,13 @@ class ShardedOptimizer(Optimizer):
             mine[i]: {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
             for i, s in inner["state"].items()
         }
-        shards: list[Any] | None  # every rank's shard, on rank `to` only
+        shards: list[Any] | None  # every row rank's shard, on rank `to` only
         if self.world_size == 1:
             shards = [shard]
         else:
-            shards = [None] * self.world_size if self.rank == to else None
-            dist.gather_object(
-                shard, shards, dst=global_rank(self.process_group, to), group=self.process_group
-            )
-        if self.rank != to:
+            shards = [None] * self.world_size if dst == self._row[self.rank] else None
+            dist.gather_object(shard, shards, dst=dst, group=self.process_group)
+        if dst != self._row[self.rank]:
             return None
         assert shards is not None  # rank `to` gathered into its list
         state = {i: s for part in shards for i, s in part.items()}
@@ -349,6 +396,10 @@ class ShardedOptimizer(Optimizer):
     def _hyperparameters_from_inner(self) -> None:
         for outer, inner in zip(self.param_groups, self.optimizer.param_groups, strict=True):
             outer.update({k: v for k, v in inner.items() if k != "params"})
+
+
+# The descriptions of the groups hybrid=True makes: tandem.doctor's records name them so.
+GRID_NAMES = GridNames(shard="zero shard", replicate="zero replicate", everyone="zero")
 
 
 def _as_groups(params: Iterable[Any]) -> list[dict[str, Any]]:

@@ -209,7 +209,14 @@ def test_join_method_disabled_divides_by_the_world_size():
 
 # -- 2. The constructor: torch 2.13's arguments ---------------------------------------------
 
-TANDEM_ONLY = ("comm_hook", "comm_state", "first_bucket_cap_mb")
+TANDEM_ONLY = (
+    "comm_hook",
+    "comm_state",
+    "first_bucket_cap_mb",
+    "hybrid",
+    "shard_group",
+    "replicate_group",
+)
 
 
 def _parameters(cls: type) -> list[tuple[str, Any, Any]]:
@@ -548,7 +555,9 @@ def _mesh(wrapper: type) -> dict:
     errors = []
     for kwargs in (
         {"device_mesh": mesh, "process_group": dist.group.WORLD},
-        {"device_mesh": init_device_mesh("cpu", (dist.get_world_size(), 1))},
+        # torch takes 1-D meshes only; tandem takes 2-D ones too (replicate x shard: hybrid
+        # DDP, tests/parallel/ddp/test_ddp_hybrid.py), and refuses more dimensions as torch does.
+        {"device_mesh": init_device_mesh("cpu", (dist.get_world_size(), 1, 1))},
     ):
         try:
             wrapper(_mlp(rank), **kwargs)

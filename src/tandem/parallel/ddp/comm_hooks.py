@@ -19,6 +19,8 @@ Example, a hook of one's own that clips each bucket before averaging::
     model.register_comm_hook({"clip": 1.0}, clipped_mean_hook)
 """
 
+import queue
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -26,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from tandem._dist import group_size
+from tandem.doctor import records
 
 CommHook = Callable[[Any, "GradBucket"], torch.futures.Future]
 
@@ -113,12 +116,15 @@ class GradBucket:
         self._buffer = tensor
 
 
-def issues_one_collective(hook: CommHook) -> bool:
-    """True for the hooks known to issue their one collective before they return (torch's and
-    tandem's allreduce, fp16 and bf16 hooks, and torch's noop_hook, which issues none).
+def orders_its_collectives(hook: CommHook) -> bool:
+    """True for the hooks whose buckets may be launched without waiting for the previous
+    bucket's future: those known to issue their one collective before they return (torch's and
+    tandem's allreduce, fp16 and bf16 hooks, and torch's noop_hook, which issues none), and
+    :func:`hybrid_allreduce_hook`, whose one thread issues every bucket's collectives in launch
+    order.
 
-    The reducer launches the buckets of these hooks without waiting for the previous bucket's
-    future; any other hook may issue more collectives from its future's callbacks.
+    Any other hook may issue more collectives from its future's callbacks, at times that differ
+    between ranks: the reducer then launches bucket k+1 only once bucket k's future is done.
     """
     from torch.distributed.algorithms.ddp_comm_hooks import debugging_hooks, default_hooks
 
@@ -130,6 +136,7 @@ def issues_one_collective(hook: CommHook) -> bool:
         allreduce_hook,
         fp16_compress_hook,
         bf16_compress_hook,
+        hybrid_allreduce_hook,
     )
 
 
@@ -162,6 +169,141 @@ def allreduce_hook(
     buf.div_(size)
     work = dist.all_reduce(buf, group=group, async_op=True)
     return work.get_future().then(lambda fut: fut.value()[0])
+
+
+class HybridState:
+    """The state of :func:`hybrid_allreduce_hook`: a grid's two groups, the divisor, and the
+    thread that issues the buckets' collectives in order.
+
+    Args:
+        shard_group: the row (the ranks of this node): the bucket is reduce-scattered and
+            all-gathered within it.
+        replicate_group: the column (this rank's place on every node): the slices are
+            all-reduced across it.
+        divisor: what the sum is divided by (every rank of the grid), or a function giving it
+            at each call (tandem.DDP passes its reducer's, which ``tandem.join`` changes).
+
+    Example::
+
+        rows, columns = tandem.groups.partition(2), tandem.groups.strided(2)
+        state = HybridState(rows.group, columns.group, divisor=4)
+    """
+
+    def __init__(
+        self,
+        shard_group: dist.ProcessGroup | None,
+        replicate_group: dist.ProcessGroup | None,
+        divisor: "int | Callable[[], int]",
+    ) -> None:
+        self.shard_group = shard_group
+        self.replicate_group = replicate_group
+        self.shard_size = group_size(shard_group) if shard_group is not None else 1
+        self.replicate_size = group_size(replicate_group) if replicate_group is not None else 1
+        self._divisor = divisor
+        self._jobs: queue.SimpleQueue[Any] | None = None
+
+    def divisor(self) -> int:
+        """What the bucket's sum is divided by, now."""
+        return self._divisor() if callable(self._divisor) else self._divisor
+
+    def submit(self, stages: list[tuple[str, Callable[[], Any]]], finish: Callable[[], Any]) -> Any:
+        """A future of ``finish()``, run once ``stages`` (each starts one collective and
+        returns its work) have run one after the other, each waited for before the next.
+
+        One thread of this state's own runs the stages of every bucket in the order they were
+        submitted: each collective needs the previous one's result, and Gloo's reduce-scatter
+        has no future to chain on; a wait on the main thread would stop backward. Every rank
+        submits the buckets in the same order, so every group sees the same collectives in the
+        same order on each of its ranks.
+        """
+        result: torch.futures.Future = torch.futures.Future()
+        if self._jobs is None:
+            self._jobs = queue.SimpleQueue()
+            threading.Thread(
+                target=_courier, args=(self._jobs,), name="tandem-ddp-hybrid", daemon=True
+            ).start()
+        self._jobs.put((stages, finish, result))
+        return result
+
+
+def _courier(jobs: "queue.SimpleQueue[Any]") -> None:
+    """The thread of a :class:`HybridState`: each job's collectives in turn, then its result."""
+    while True:
+        stages, finish, result = jobs.get()
+        try:
+            for what, start in stages:
+                with records.tagged(what):
+                    work = start()
+                records.wait(work)
+            result.set_result(finish())
+        except Exception as exc:  # a failed collective: the reducer's wait raises it
+            result.set_exception(exc)
+
+
+def hybrid_allreduce_hook(
+    state: HybridState,
+    bucket,
+) -> torch.futures.Future[torch.Tensor]:
+    """Mean over a grid of ranks, the only traffic across nodes one slice per rank.
+
+    Three collectives instead of one all-reduce: a reduce-scatter within the node (each rank
+    ends with the node's sum of its 1/S of the bucket), an all-reduce of that slice across the
+    nodes (the only collective that leaves the node: 1/S of the bytes a flat all-reduce would
+    send there), and an all-gather within the node. The bucket is divided by the grid's size
+    first, as :func:`allreduce_hook` divides first. The collectives are issued by the state's
+    thread (:meth:`HybridState.submit`), each after the previous one is done.
+
+    Example::
+
+        model = tandem.DDP(net, hybrid=True)     # installs this hook with the node's groups
+    """
+    buf = bucket.buffer()
+    buf.div_(state.divisor())
+    shard, replicate = state.shard_size, state.replicate_size
+    n = buf.numel()
+    # The reduce-scatter cuts its input into S equal slices: a bucket of a size S does not
+    # divide is sent with zeros appended up to the next multiple of S. The zeros sum to zeros,
+    # and only the first n elements of the gathered result are copied back.
+    padded = -(-n // shard) * shard
+    sent = buf if padded == n else torch.cat([buf, buf.new_zeros(padded - n)])
+    piece = sent if shard == 1 else sent.new_empty(padded // shard)
+    what = f"DDP hybrid bucket {bucket.index()}"
+    stages: list[tuple[str, Callable[[], Any]]] = []
+    if shard > 1:
+        stages.append(
+            (f"{what}: reduce-scatter in the node", lambda: _reduce_scatter(piece, sent, state))
+        )
+    if replicate > 1:
+        stages.append(
+            (
+                f"{what}: all-reduce across the nodes",
+                lambda: dist.all_reduce(piece, group=state.replicate_group, async_op=True),
+            )
+        )
+    if shard > 1:
+        stages.append((f"{what}: all-gather in the node", lambda: _all_gather(sent, piece, state)))
+
+    def finish() -> torch.Tensor:
+        if sent is not buf:
+            buf.copy_(sent[:n])
+        return buf
+
+    return state.submit(stages, finish)
+
+
+# torch 2.13 renamed the flat collectives (reduce_scatter_tensor -> reduce_scatter_single,
+# all_gather_into_tensor -> all_gather_single); older versions lack the new names and the old
+# ones warn on new versions. Looked up at each call: tandem.doctor's records replace torch's
+# functions when they are installed, later. (FSDP's flat.py looks them up the same way; it is
+# not imported here because that would import the whole FSDP package with tandem.DDP.)
+def _reduce_scatter(out: torch.Tensor, inp: torch.Tensor, state: HybridState) -> Any:
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(out, inp, group=state.shard_group, async_op=True)
+
+
+def _all_gather(out: torch.Tensor, inp: torch.Tensor, state: HybridState) -> Any:
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(out, inp, group=state.shard_group, async_op=True)
 
 
 def _compress_hook(dtype: torch.dtype) -> CommHook:

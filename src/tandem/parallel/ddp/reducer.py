@@ -14,7 +14,7 @@ One iteration, as the reducer sees it:
    collectives in the same order, whatever order their hooks fire in. With a communication
    hook, bucket k+1 is launched only once bucket k's future is done, because hooks such as
    PowerSGD issue further collectives from that future's callbacks, on another thread (the
-   hooks known to issue a single collective are exempt: see ``set_hook``).
+   hooks that order their own collectives are exempt: see ``set_hook``).
 4. ``_finalize()`` (runs once backward is done): launch what is left (zeros for gradients this
    rank never got), wait for every bucket, give the means to ``.grad``, and agree across ranks
    on how many gradients each rank missed (and, with find_unused_parameters, on which were used
@@ -69,7 +69,7 @@ from tandem._profile import span
 from tandem.doctor import records
 from tandem.parallel.ddp import out_of_step
 from tandem.parallel.ddp.buckets import Bucket, bucket_caps, build_buckets, cut_buckets
-from tandem.parallel.ddp.comm_hooks import CommHook, GradBucket, completed, issues_one_collective
+from tandem.parallel.ddp.comm_hooks import CommHook, GradBucket, completed, orders_its_collectives
 from tandem.parallel.ddp.end_of_backward import EndOfBackward
 
 # A gradient of at least this many elements is copied into its bucket as soon as it is ready,
@@ -525,10 +525,11 @@ class Reducer:
         A hook may issue more collectives from its future's callbacks (PowerSGD does), on
         another thread and at times that differ between ranks; so bucket k+1 is launched only
         once bucket k's future is done, and every rank issues the same collectives in the same
-        order. The hooks known to issue one collective before returning are not held back.
+        order. The hooks that order their own collectives (``orders_its_collectives``: those that
+        issue one collective before returning, and the hybrid hook) are not held back.
         """
         self.hook, self.hook_state = hook, state
-        self.serial = not issues_one_collective(hook)
+        self.serial = not orders_its_collectives(hook)
 
     def wait(self, work: dist.Work, what: str) -> None:
         """Wait for one of this model's collectives (see ``lockstep``)."""

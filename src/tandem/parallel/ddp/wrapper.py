@@ -12,6 +12,13 @@ The life of a wrapped model:
 3. Backward: the reducer all-reduces buckets of gradients while backward continues; when it
    returns, every ``.grad`` holds the mean over ranks, and any optimizer takes the same step on
    every rank.
+
+Hybrid (``hybrid=True``, ``shard_group=`` with ``replicate_group=``, or a 2-D ``device_mesh``):
+the ranks form a grid (:mod:`tandem.groups`), rows the nodes, columns across them, and each
+bucket's all-reduce becomes three collectives
+(:func:`~tandem.parallel.ddp.comm_hooks.hybrid_allreduce_hook`): a reduce-scatter within the
+row, an all-reduce of this rank's slice across the column, an all-gather within the row. Only
+the slice leaves the node. Everything else (buffers, checks, join) runs over the whole grid.
 """
 
 from __future__ import annotations
@@ -31,7 +38,8 @@ from tandem._dist import group_rank, group_size, require_process_group
 from tandem._profile import backward_span, span
 from tandem._tree import map_tensors
 from tandem.doctor import records, step_clock
-from tandem.parallel.ddp.comm_hooks import CommHook
+from tandem.groups import Grid, GridNames, resolve_grid
+from tandem.parallel.ddp.comm_hooks import CommHook, HybridState, hybrid_allreduce_hook
 from tandem.parallel.ddp.join import join as join_context
 from tandem.parallel.ddp.join import training_ranks
 from tandem.parallel.ddp.reducer import Reducer
@@ -41,8 +49,8 @@ from tandem.parallel.replicas import broadcast_coalesced, check_device_ids, veri
 class DistributedDataParallel(nn.Module, Joinable):
     """Data parallelism across processes, with torch's DDP arguments, written in Python.
 
-    The arguments are torch 2.13's, in torch's order and with torch's meaning; the last three
-    (keyword only) are tandem's own.
+    The arguments are torch 2.13's, in torch's order and with torch's meaning; the keyword-only
+    ones after them are tandem's own.
 
     Args:
         module: the model; the same on every rank (checked).
@@ -77,8 +85,10 @@ class DistributedDataParallel(nn.Module, Joinable):
         mixed_precision: torch's experimental ``_MixedPrecision``: not supported
             (``NotImplementedError``); use ``torch.autocast`` or tandem.Trainer's precision.
         device_mesh: a one-dimensional ``DeviceMesh``, whose group is averaged over (instead
-            of ``process_group``). A mesh sliced out of a larger one (data parallel alongside
-            tensor parallel) is not supported.
+            of ``process_group``), or a two-dimensional one (replicate, shard): hybrid, as
+            ``shard_group=mesh.get_group(1)``, ``replicate_group=mesh.get_group(0)`` (torch's
+            DDP takes one dimension only). A mesh sliced out of a larger one (data parallel
+            alongside tensor parallel) is not supported.
         skip_all_reduce_unused_params: with ``find_unused_parameters`` (or ``static_graph``), a
             bucket whose parameters are all unused in a backward is not reduced, and their
             ``.grad`` stay as they are. The unused parameters must be the same on every rank.
@@ -93,6 +103,18 @@ class DistributedDataParallel(nn.Module, Joinable):
             torch's hooks (``torch.distributed.algorithms.ddp_comm_hooks``) work unchanged.
         comm_state: the ``state`` passed to ``comm_hook`` (default: ``process_group``).
         first_bucket_cap_mb: cap of the first rebuilt bucket, overriding torch's rule.
+        hybrid: ``True``: average in a grid made from the launcher's node layout
+            (``LOCAL_WORLD_SIZE`` ranks per node): each bucket is reduce-scattered within the
+            node, its slices all-reduced across the nodes, and all-gathered within the node,
+            so only 1/``LOCAL_WORLD_SIZE`` of the gradient crosses the nodes' links. On one
+            node it is plain tandem.DDP. Not with ``process_group``, ``device_mesh`` or
+            ``comm_hook``.
+        shard_group: with ``replicate_group``, the grid made by hand: this rank's row (the
+            group the bucket is reduce-scattered and all-gathered in). Alone, the same as
+            ``process_group``.
+        replicate_group: this rank's column: the ranks at its place in every other row, across
+            which the slices are all-reduced. Needs ``shard_group``; the two are checked to
+            form a grid (ValueError on every rank if not).
 
     Example::
 
@@ -131,6 +153,9 @@ class DistributedDataParallel(nn.Module, Joinable):
         comm_hook: CommHook | None = None,
         comm_state: Any = None,
         first_bucket_cap_mb: float | None = None,
+        hybrid: bool = False,
+        shard_group: dist.ProcessGroup | None = None,
+        replicate_group: dist.ProcessGroup | None = None,
     ) -> None:
         super().__init__()
         Joinable.__init__(self)  # inside tandem.join / torch's Join, see parallel/join.py
@@ -141,7 +166,20 @@ class DistributedDataParallel(nn.Module, Joinable):
         _refuse_unsupported(
             delay_all_reduce_named_params, param_to_hook_all_reduce, mixed_precision
         )
-        process_group = _group_of_mesh(device_mesh, process_group)
+        grid = _grid(process_group, device_mesh, hybrid, shard_group, replicate_group, comm_hook)
+        if grid is None:
+            process_group = _group_of_mesh(device_mesh, process_group)
+        else:
+            # Averaged over the whole grid: the buffers, the checks and join run over it; the
+            # buckets go through the rows and columns (the hook installed below).
+            process_group = grid.everyone.group
+            if grid.shard.size == 1 or not grid.hybrid:
+                # A row of one rank (nothing to scatter) or one row (one node, or shard_group
+                # alone: nothing to replicate): a plain all-reduce over the grid, done as one.
+                grid = None
+        self.grid: Grid | None = grid
+        self.shard_group = None if grid is None else grid.shard.group
+        self.replicate_group = None if grid is None else grid.replicate.group
         self.device_mesh = device_mesh
         self.forward_sync_buffers, init_sync_buffers = _buffer_flags(
             broadcast_buffers, forward_sync_buffers
@@ -206,7 +244,13 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._initial_bucket_sizes = _bucket_sizes(self.reducer)  # _get_ddp_logging_data
         # The clock of tandem run's exit summary.
         self._steps = step_clock.clock("tandem.DDP forwards", priority=1)
-        if comm_hook is not None:
+        if grid is not None:
+            # The reducer's divisor, read at each bucket: tandem.join may change it.
+            state = HybridState(
+                grid.shard.group, grid.replicate.group, divisor=lambda: self.reducer.divisor
+            )
+            self.reducer.set_hook(hybrid_allreduce_hook, state)
+        elif comm_hook is not None:
             self.register_comm_hook(process_group if comm_state is None else comm_state, comm_hook)
 
     @property
@@ -335,6 +379,13 @@ class DistributedDataParallel(nn.Module, Joinable):
         """
         if not callable(hook):
             raise ValueError(f"hook={hook!r} is not callable: pass hook(state, bucket) -> Future")
+        if self.grid is not None:
+            raise ValueError(
+                f"tandem.DDP: register_comm_hook({getattr(hook, '__name__', hook)!r}) on a hybrid "
+                f"model ({self.grid.describe()}): its buckets are reduced by the hybrid hook "
+                "(reduce-scatter in the node, all-reduce across nodes, all-gather in the node), "
+                "which a hook of your own would replace; wrap without hybrid to use your hook"
+            )
         self.reducer.set_hook(hook, state)
 
     def sync_params_and_buffers(self, src: int = 0, buffers: bool = True) -> None:
@@ -465,6 +516,48 @@ def _refuse_unsupported(
         )
 
 
+# The descriptions of the groups hybrid=True makes: tandem.doctor's records name them so.
+GRID_NAMES = GridNames(shard="ddp shard", replicate="ddp replicate", everyone="ddp")
+
+
+def _grid(
+    process_group: Any,
+    device_mesh: Any,
+    hybrid: Any,
+    shard_group: Any,
+    replicate_group: Any,
+    comm_hook: Any,
+) -> Grid | None:
+    """The grid tandem.DDP's arguments describe; None for torch's own (``process_group`` or a
+    1-D ``device_mesh``, left to torch's rules and errors). A collective over the grid's ranks
+    when it is hybrid (the groups are checked, or made from the node layout)."""
+    two_d = device_mesh is not None and getattr(device_mesh, "ndim", None) == 2
+    flat = hybrid is False and shard_group is None and replicate_group is None
+    if flat and (not two_d or process_group):
+        return None
+    if comm_hook is not None:
+        raise ValueError(
+            f"tandem.DDP: comm_hook={getattr(comm_hook, '__name__', comm_hook)!r} with a hybrid "
+            "grid (hybrid=True, shard_group= with replicate_group=, or a 2-D device_mesh): the "
+            "buckets are reduced by the hybrid hook (reduce-scatter in the node, all-reduce "
+            "across nodes, all-gather in the node), which yours would replace; pass one of them"
+        )
+    if two_d and device_mesh._get_root_mesh() != device_mesh:
+        raise NotImplementedError(
+            f"tandem.DDP: device_mesh={device_mesh} is sliced out of a larger mesh; pass "
+            "shard_group=mesh.get_group(1) and replicate_group=mesh.get_group(0) instead"
+        )
+    return resolve_grid(
+        process_group=process_group,
+        shard_group=shard_group,
+        replicate_group=replicate_group,
+        hybrid=hybrid,
+        device_mesh=device_mesh,
+        names=GRID_NAMES,
+        wrapper="tandem.DDP",
+    )
+
+
 def _group_of_mesh(device_mesh: Any, process_group: Any) -> Any:
     # torch's rules: a device_mesh replaces process_group, and must be one-dimensional.
     if device_mesh is None:
@@ -472,6 +565,7 @@ def _group_of_mesh(device_mesh: Any, process_group: Any) -> Any:
     if process_group:
         raise RuntimeError("Cannot specify both process_group and device_mesh arguments.")
     if device_mesh.ndim != 1:
+        # (A 2-D mesh is tandem's hybrid form, taken by _grid; torch takes 1-D only.)
         raise RuntimeError(f"Only 1D device mesh is supported, but got {device_mesh}.")
     if device_mesh._get_root_mesh() != device_mesh:
         raise NotImplementedError(
