@@ -18,7 +18,9 @@ float32, AdamW. One process per rank builds every mode from the same seed:
   in the node: ZeRO++'s hpZ). ``hybrid`` with ``reshard_after_forward=2`` is ``hybrid`` itself
   at 2 ranks per node (the node is the shard group, so 2 means ``True``); ask for it with
   ``--modes hybrid-raf2``;
-- ``ddp``: ``tandem.DDP``.
+- ``ddp``: ``tandem.DDP``;
+- ``ddp-hybrid``: ``tandem.DDP(hybrid=True)``: each gradient bucket reduce-scattered in the
+  node, its half all-reduced with the peer on the other node, all-gathered in the node.
 
 After ``--warmup`` steps of each, the modes take turns (A B C D A B C D ...) for ``--rounds``
 rounds of ``--steps`` steps. A mode's turn starts and ends at a barrier; rank 0 reads its veth's
@@ -44,7 +46,10 @@ counters agree to 0.1%; ``1.5 n`` would be off by a third). With ``p`` a unit's 
 - ``hybrid``: only the all-reduce of each rank's gradient slice (``p / 2``) with its peer on the
   other node, a ring of 2 sending ``p / 2`` each way: ``4 x 2 sum p`` for the two pairs, about
   ``2 x`` the parameter bytes;
-- ``ddp``: one ring all-reduce of every gradient over 4: ``4 x 3 P`` (``P`` unpadded).
+- ``ddp``: one ring all-reduce of every gradient over 4: ``4 x 3 P`` (``P`` unpadded);
+- ``ddp-hybrid``: as ``hybrid``, over the buckets: ``4 x 2 sum b`` (``b`` a bucket's elements
+  padded to even), about ``2 x`` the parameter bytes, plus the end-of-backward check's 4 bytes
+  over the 4 ranks.
 
 The counters count Ethernet frames: TCP/IP headers and ACKs on top of the payload, and the
 barriers and the store's few messages. So the payload is also given as the bytes less 66 per
@@ -86,7 +91,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 JSON_DEFAULT = ROOT / "docs" / "performance" / "across-nodes-cpu.json"
-MODES = ("full", "hybrid", "hpz", "ddp")
+MODES = ("full", "hybrid", "hpz", "ddp", "ddp-hybrid")
 EXTRA_MODES = ("hybrid-raf2",)
 NNODES, PER_NODE = 2, 2
 WORLD = NNODES * PER_NODE
@@ -118,8 +123,8 @@ def _build(mode: str, args: argparse.Namespace):
     from sharded_contenders import LR, Block, make_net
 
     net = make_net(args)
-    if mode == "ddp":
-        model = tandem.DDP(net)
+    if mode in ("ddp", "ddp-hybrid"):
+        model = tandem.DDP(net, hybrid=mode == "ddp-hybrid")
     else:
         kwargs: dict[str, Any] = {"auto_wrap": {Block}}
         if mode in ("hybrid", "hybrid-raf2"):
@@ -134,6 +139,9 @@ def _link_formula(mode: str, model, params: int) -> int:
     """Bytes across the link per step, both directions (see the module docstring)."""
     if mode == "ddp":
         return int(F32 * 3 * params)
+    if mode == "ddp-hybrid":
+        buckets = [b.flat.numel() for b in model.reducer.buckets]
+        return F32 * 2 * sum(-(-n // 2) * 2 for n in buckets) + 3 * 4  # + the check's ring
     padded = [u.padded for u in model.units]
     if mode in ("hybrid", "hybrid-raf2"):
         return F32 * 2 * sum(padded)
@@ -145,9 +153,12 @@ def _link_formula(mode: str, model, params: int) -> int:
 
 
 def _memory_formula(mode: str, params: int) -> float:
-    return {"ddp": 16 * params, "hybrid": 8 * params, "hybrid-raf2": 8 * params}.get(
-        mode, 4 * params
-    )
+    return {
+        "ddp": 16 * params,
+        "ddp-hybrid": 16 * params,
+        "hybrid": 8 * params,
+        "hybrid-raf2": 8 * params,
+    }.get(mode, 4 * params)
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -201,7 +212,10 @@ def worker(args: argparse.Namespace) -> None:
         rows = [None] * WORLD
         dist.all_gather_object(rows, {k: held[k] for k in ("params", "grads", "state")})
         groups = {"world": records.group_name(None)}
-        if mode != "ddp":
+        if mode == "ddp-hybrid":
+            groups["node"] = records.group_name(model.shard_group)
+            groups["across"] = records.group_name(model.replicate_group)
+        elif mode != "ddp":
             if model.world_size < WORLD:
                 groups["node"] = records.group_name(model.process_group)
             if model.replicate_group is not None:
@@ -217,7 +231,7 @@ def worker(args: argparse.Namespace) -> None:
             "link_formula": _link_formula(mode, model, params),
             "memory_per_rank": rows,
             "memory_formula": _memory_formula(mode, params),
-            "padded": None if mode == "ddp" else [u.padded for u in model.units],
+            "padded": None if mode.startswith("ddp") else [u.padded for u in model.units],
         }
     if rank == 0:
         Path(args.out).write_text(json.dumps(out))
