@@ -51,6 +51,7 @@ from tandem.parallel.fsdp.state import (
     SHARDED_FORMAT,
     _first_keys_difference,
     _PlainIndex,
+    load_by_plain_order,
     mesh_record,
 )
 from tandem.parallel.fsdp.wrapper import FullyShardedDataParallel
@@ -706,42 +707,18 @@ class ShardOptimizer(OptimizerState):
         """Load a plain optimizer state dict by position (see :meth:`full`) whose element-wise
         values are the pieces of :meth:`empty_pieces`, read into ``buffers``: each shard's
         state is its buffers, its per-parameter values its first parameter's."""
-        plain = _PlainIndex(self.fsdp.layout)
-        inner_state: dict[int, dict[str, Any]] = {}
-        inner_groups = []
-        j = 0
-        for saved, group in zip(state["param_groups"], self.optimizer.param_groups, strict=True):
-            expected = plain.group_ids(group)
-            if sorted(saved["params"]) != expected:
-                raise ValueError(
-                    f"optimizer state group with parameters {sorted(saved['params'])} does not "
-                    f"match this optimizer's group of parameters {expected} (plain module order)"
-                )
-            ids = []
-            for p in group["params"]:
-                unit = plain.units.get(id(p))
-                held = [state["state"].get(plain.index[n]) for n in plain.names[id(p)]]
-                if unit is None:
-                    if held[0] is not None:
-                        inner_state[j] = dict(held[0])
-                elif any(s is not None for s in held):
-                    missing = [
-                        n for n, s in zip(plain.names[id(p)], held, strict=True) if s is None
-                    ]
-                    if missing:
-                        raise ValueError(f"optimizer state has no entry for parameters {missing}")
-                    first = held[0]
-                    assert first is not None  # checked above
-                    inner_state[j] = {
-                        k: buffers[(id(p), k)] if isinstance(v, FlatPiece) else v
-                        for k, v in first.items()
-                    }
-                ids.append(j)
-                j += 1
-            inner_groups.append(
-                {**{k: v for k, v in saved.items() if k != "params"}, "params": ids}
-            )
-        self.optimizer.load_state_dict({"state": inner_state, "param_groups": inner_groups})
+
+        def pieced(unit: FlatUnit, held: list[dict[str, Any] | None], p: Any) -> dict:
+            if any(s is None for s in held):
+                missing = [e.fqn for e, s in zip(unit.entries, held, strict=True) if s is None]
+                raise ValueError(f"optimizer state has no entry for parameters {missing}")
+            first = held[0]
+            assert first is not None  # checked above
+            return {
+                k: buffers[(id(p), k)] if isinstance(v, FlatPiece) else v for k, v in first.items()
+            }
+
+        load_by_plain_order(self.fsdp.layout, self.optimizer, dict(state), pieced)
 
     def reshard(self, what: str, saved_world_size: int, read: Reader) -> dict[str, Any]:
         layout = self.fsdp.layout

@@ -28,6 +28,7 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -267,6 +268,24 @@ def load_full_optim_state_dict(
     layout: FsdpLayout, optimizer: torch.optim.Optimizer, state: dict[str, Any]
 ) -> None:
     """Load a plain optimizer's state dict (see :func:`full_optim_state_dict`) on every rank."""
+    load_by_plain_order(layout, optimizer, state, _cut)
+
+
+def load_by_plain_order(
+    layout: FsdpLayout,
+    optimizer: torch.optim.Optimizer,
+    state: dict[str, Any],
+    cut: Callable[[FlatUnit, list[dict[str, Any] | None], torch.Tensor], dict[str, Any]],
+) -> None:
+    """Load ``state``, keyed by the plain module's parameter positions, into ``optimizer`` over
+    the layout's shards: a parameter outside the units takes its entry as it is, a unit's shard
+    ``cut(unit, its parameters' entries, shard)`` (:func:`_cut` slices whole states; a reader of
+    this rank's pieces hands its buffers instead).
+
+    Example::
+
+        load_by_plain_order(layout, opt, saved, _cut)
+    """
     plain = _PlainIndex(layout)
     saved_groups = state["param_groups"]
     if len(saved_groups) != len(optimizer.param_groups):
@@ -290,9 +309,9 @@ def load_full_optim_state_dict(
             entries = [state["state"].get(plain.index[n]) for n in plain.names[id(p)]]
             if unit is None:
                 if entries[0] is not None:
-                    inner_state[j] = entries[0]
+                    inner_state[j] = dict(entries[0])
             elif any(s is not None for s in entries):
-                inner_state[j] = _cut(unit, entries, p)
+                inner_state[j] = cut(unit, entries, p)
             ids.append(j)
             j += 1
         inner_groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": ids})
