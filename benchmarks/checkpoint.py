@@ -21,16 +21,21 @@ issue's target: <= 0.15) and async / dcp async, each writer's throughput (checkp
 second of its write) against dd's, and the staging memory each rank holds.
 
 Then, with ``--step-model``: the step time of tandem.DDP training that model (batch 1 per
-rank, SGD) while a write runs beside it, in rounds of three phases (order alternating): no
-write; tandem's background write (a thread of the training process); the same bytes written,
-fsynced and hashed by another process (no GIL shared with the training). The steps that began
-before the write finished are the ones counted. Thread against process is the GIL's share;
-process against none is what the disk and the CPUs the write takes cost anyway.
+rank, SGD) while a write runs beside it, in rounds of four phases (order alternating): no
+write; tandem's background write (a thread of the training process, in the idle scheduling
+class: ``tandem.checkpoint.async_save.yield_cpu``); the same write with the thread left at the
+training's priority (``WRITER.idle = False``, what tandem did before); the same bytes written,
+fsynced and hashed by another process at the training's priority (no GIL shared with the
+training). The steps that began before the write finished are the ones counted, and each
+write's length (call to commit, rank 0) is kept: yielding the CPU makes the steps faster and
+the write longer. Thread against process is the GIL's share; process against none is what the
+disk and the CPUs the write takes cost at equal priority.
 
 Run::
 
     python benchmarks/checkpoint.py                       # 100M and 400M, 5 trials
     python benchmarks/checkpoint.py --models 100M --trials 3 --rounds 2
+    python benchmarks/checkpoint.py --models --rounds 8 --json /tmp/steps.json   # steps only
 """
 
 from __future__ import annotations
@@ -66,15 +71,16 @@ DEFAULT_JSON = HERE.parent / "docs" / "performance" / "checkpoint-cpu.json"
 WIDTH = 5000
 MODELS = {"tiny": (64, 2), "100M": (WIDTH, 4), "400M": (WIDTH, 16)}  # (width, layers)
 ARMS = ("sync", "async", "dcp async", "dd")
-PHASES = ("none", "thread", "process")
+PHASES = ("none", "thread", "thread, no yield", "process")
 
 # The other process of the "process" phase: the same bytes, written as tandem writes them.
 WRITER_SCRIPT = """
-import hashlib, os, sys, torch
+import hashlib, os, sys, time, torch
 blob = torch.ones(int(sys.argv[1]), dtype=torch.uint8)
 print("ready", flush=True)
 for line in sys.stdin:
     path = sys.argv[2]
+    begun = time.monotonic()
     with open(path, "wb") as f:
         torch.save(blob, f)
         f.flush()
@@ -84,7 +90,7 @@ for line in sys.stdin:
         while chunk := f.read(4 << 20):
             digest.update(chunk)
     os.unlink(path)
-    print("done", flush=True)
+    print("done", time.monotonic() - begun, flush=True)
 """
 
 
@@ -188,7 +194,8 @@ def _blocked(name: str, args: argparse.Namespace, rank: int) -> dict[str, Any]:
 
 
 def _steps(name: str, args: argparse.Namespace, rank: int) -> dict[str, Any]:
-    """Step times of tandem.DDP with no write, a background write, another process's write."""
+    """Step times of tandem.DDP with no write, a background write (yielding the CPU, and not),
+    another process's write; and each write's length."""
     model = tandem.DDP(_model(name))
     opt = torch.optim.SGD(model.parameters(), lr=1e-9)
     x = torch.randn(1, MODELS[name][0])
@@ -215,16 +222,20 @@ def _steps(name: str, args: argparse.Namespace, rank: int) -> dict[str, Any]:
     for _ in range(2):
         step()  # warm-up: DDP's bucket rebuild
     tandem.checkpoint.save(state, folder / "warm.pt", async_=True).wait()  # staging allocated
-    times: dict[str, list[float]] = {p: [] for p in PHASES}
+    phases = [p for p in PHASES if p in args.phases]
+    times: dict[str, list[float]] = {p: [] for p in phases}
+    writes: dict[str, list[float]] = {p: [] for p in phases if p != "none"}
     rounds: list[dict[str, float]] = []  # each round's median step per phase
     for round_ in range(args.rounds):
-        steps: dict[str, list[float]] = {p: [] for p in PHASES}
-        order = PHASES if round_ % 2 == 0 else PHASES[::-1]
+        steps: dict[str, list[float]] = {p: [] for p in phases}
+        order = phases if round_ % 2 == 0 else phases[::-1]
         for phase in order:
             dist.barrier()
             writing: Any = None
-            if phase == "thread":
+            if phase.startswith("thread"):
+                WRITER.idle = phase == "thread"
                 writing = tandem.checkpoint.save(state, folder / "bg.pt", async_=True)
+                WRITER.idle = True
             elif phase == "process" and other is not None:
                 assert other.stdin is not None
                 other.stdin.write("go\n")
@@ -241,8 +252,10 @@ def _steps(name: str, args: argparse.Namespace, rank: int) -> dict[str, Any]:
                 writing.wait()
             while not finished():  # every rank: rank 0 says when the other process is done
                 time.sleep(0.01)
-        for phase, seconds in steps.items():
-            times[phase] += seconds
+            if phase != "none" and rank == 0:
+                writes[phase].append(writing.written_s if writing else finished.seconds)
+        for phase, taken in steps.items():
+            times[phase] += taken
         rounds.append({p: statistics.median(t) for p, t in steps.items() if t})
     if other is not None:
         assert other.stdin is not None
@@ -250,31 +263,45 @@ def _steps(name: str, args: argparse.Namespace, rank: int) -> dict[str, Any]:
         other.wait()
     if rank == 0:
         shutil.rmtree(folder)
-    median = {p: statistics.median(times[p]) if times[p] else None for p in PHASES}
+    median = {p: statistics.median(times[p]) if times[p] else None for p in phases}
+    pairs = [(a, "none") for a in phases if a != "none"]
+    pairs += [("thread", "process"), ("thread", "thread, no yield")]
     paired = {  # the median of the rounds' ratios: a round's phases ran back to back
         f"{a}/{b}": statistics.median(r[a] / r[b] for r in rounds if a in r and b in r)
-        for a, b in (("thread", "none"), ("process", "none"), ("thread", "process"))
+        for a, b in pairs
         if any(a in r and b in r for r in rounds)
     }
-    counted = {p: len(times[p]) for p in PHASES}
-    return {"steps_counted": counted, "step_s": median, "ratios": paired, "rounds": rounds}
+    numbers = {p: len(times[p]) for p in phases}
+    write_s = {p: statistics.median(w) if w else None for p, w in writes.items()}
+    return {
+        "steps_counted": numbers,
+        "step_s": median,
+        "ratios": paired,
+        "rounds": rounds,
+        "write_s": write_s,
+        "trials_write_s": writes,
+    }
 
 
-def _finished(phase: str, writing: Any, other: Any) -> Any:
-    """A check whether this phase's write is done (on rank 0; the others follow it)."""
-    state = {"done": phase == "none"}
+class _finished:
+    """A check whether this phase's write is done (on rank 0; the others follow it); once it
+    is, ``seconds``: how long another process's write took (its own report)."""
 
-    def finished() -> bool:
-        if not state["done"]:
-            if phase == "thread":
-                state["done"] = writing.done()
-            elif other is not None and select.select([other.stdout], [], [], 0)[0]:
-                state["done"] = other.stdout.readline().strip() == "done"
-        flag = torch.tensor([1 if state["done"] else 0])
+    def __init__(self, phase: str, writing: Any, other: Any) -> None:
+        self.phase, self.writing, self.other = phase, writing, other
+        self.done = phase == "none"
+        self.seconds = 0.0
+
+    def __call__(self) -> bool:
+        if not self.done:
+            if self.writing is not None:
+                self.done = self.writing.done()
+            elif self.other is not None and select.select([self.other.stdout], [], [], 0)[0]:
+                word, seconds = self.other.stdout.readline().split()
+                self.done, self.seconds = word == "done", float(seconds)
+        flag = torch.tensor([1 if self.done else 0])
         dist.broadcast(flag, 0)  # every rank counts the same steps
         return bool(flag.item())
-
-    return finished
 
 
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, box: Any) -> None:
@@ -300,6 +327,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--step-model", default="100M", help="'' for no step-time phases")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of the step phases")
     parser.add_argument("--steps", type=int, default=4, help="steps per phase")
+    parser.add_argument(
+        "--phases", nargs="+", default=list(PHASES), choices=PHASES, help="step phases to run"
+    )
     parser.add_argument("--dir", type=Path, default=None, help="where to write (a temp dir)")
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON)
     args = parser.parse_args(argv)
@@ -358,15 +388,23 @@ def main(argv: list[str] | None = None) -> dict:
         if "steps" not in r:
             continue
         s, n, ratios = r["steps"]["step_s"], r["steps"]["steps_counted"], r["steps"]["ratios"]
+        w = r["steps"]["write_s"]
         print(f"\nStep time of tandem.DDP on {name} while a checkpoint is written")
-        print("(median s (steps); ratios: the median over rounds of each round's ratio)")
-        print("| no write | background thread | another process | thread/none | process/none "
-              "| thread/process |")  # fmt: skip
-        print("|---:|---:|---:|---:|---:|---:|")
-        cells = [f"{s[p]:.3f} ({n[p]})" if s[p] is not None else "-" for p in PHASES]
-        for pair in ("thread/none", "process/none", "thread/process"):
-            cells.append(f"{ratios[pair]:.3f}" if pair in ratios else "-")
-        print(f"| {' | '.join(cells)} |")
+        print("(median s (steps counted); ratios: the median over rounds of each round's ratio)")
+        print("| phase | step s | step / no write | write s (call to commit) |")
+        print("|---|---:|---:|---:|")
+        for phase in s:
+            ratio = ratios.get(f"{phase}/none")
+            cells = [
+                phase,
+                f"{s[phase]:.3f} ({n[phase]})" if s[phase] is not None else "-",
+                f"{ratio:.3f}" if ratio is not None else "-",
+                f"{w[phase]:.2f}" if w.get(phase) is not None else "-",
+            ]
+            print(f"| {' | '.join(cells)} |")
+        for pair in ("thread/thread, no yield", "thread/process"):
+            if pair in ratios:
+                print(f"{pair}: {ratios[pair]:.3f}")
     print(f"JSON: {args.json}")
     return result
 
