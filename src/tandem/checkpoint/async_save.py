@@ -271,6 +271,7 @@ class AsyncSave:
         self._meeting = meeting
         self._finished = threading.Event()
         self._error: Exception | None = None
+        self._thread: threading.Thread | None = None  # the writer, once started
 
     def done(self) -> bool:
         """Whether the background write has finished (committed or failed)."""
@@ -285,6 +286,11 @@ class AsyncSave:
                 the ranks lost touch: a rank died while it was written).
         """
         self._finished.wait()
+        # The thread itself too, not only its result: a writer thread still winding down (its
+        # copy being freed) when the interpreter finalizes is stopped inside torch's C++ code,
+        # which aborts the process ("terminate called without an active exception").
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
         self._writer.forget(self)
         if self._error is not None:
             raise self._error
@@ -376,6 +382,7 @@ class Writer:
         thread = threading.Thread(
             target=handle._write, args=(write, staged, self.idle), name=THREAD_NAME, daemon=True
         )
+        handle._thread = thread
         thread.start()
         return handle
 
