@@ -110,6 +110,12 @@ class Entry:
         """This rank's shard part cut from another world size's (``read(q)``: rank q's)."""
         raise ValueError(f"{self.what} is a {self.tag}; the checkpoint holds shards of it")
 
+    def cut_alike(self, shard: dict[str, Any] | None) -> bool:
+        """Whether this rank's own shard part (``shard``, saved at this world size) was cut on
+        the layout the object has now; if not, the load cuts it anew as at another world size
+        (a hybrid run's files read by a flat one of as many ranks, or the reverse)."""
+        return True
+
     def check(self, state: Any, shard: dict[str, Any] | None) -> None:
         """ValueError, naming the key and what differs, unless the saved state fits."""
 
@@ -136,6 +142,9 @@ class ModelEntry(Entry):
         # One copy of a hybrid FSDP run's slices (every other model's files as they are).
         saved_world_size, read = self.state.one_copy(saved_world_size, read, _model_part)
         return {"model": self.state.reshard(self.what, saved_world_size, read)}
+
+    def cut_alike(self, shard: dict[str, Any] | None) -> bool:
+        return _grid_fits(self.state, _part(_part(shard, "model"), "mesh"))
 
     def check(self, state: Any, shard: dict[str, Any] | None) -> None:
         _same_grid(self.what, self.state, _part(_part(shard, "model"), "mesh"))
@@ -178,6 +187,9 @@ class OptimizerEntry(Entry):
         except ValueError as e:
             raise ValueError(f"{self.what}: {e}") from e
 
+    def cut_alike(self, shard: dict[str, Any] | None) -> bool:
+        return self.owner is None or _grid_fits(self.owner, _part(shard, "mesh"))
+
     def check(self, state: Any, shard: dict[str, Any] | None) -> None:
         if self.owner is not None:
             _same_grid(self.what, self.owner, _part(shard, "mesh"))
@@ -216,6 +228,9 @@ class EngineEntry(Entry):
             return self.obj.reshard(saved_world_size, read)
         except ValueError as e:
             raise ValueError(f"{self.what}: {e}") from e
+
+    def cut_alike(self, shard: dict[str, Any] | None) -> bool:
+        return _grid_fits(self.model, _part(_part(shard, "model"), "mesh"))
 
     def check(self, state: Any, shard: dict[str, Any] | None) -> None:
         _same_grid(self.what, self.model, _part(_part(shard, "model"), "mesh"))
@@ -362,6 +377,11 @@ def _model_part(part: Any) -> Any:
 
 def _itself(part: Any) -> Any:
     return part
+
+
+def _grid_fits(owner: ModelState, saved: Any) -> bool:
+    mine = owner.grid()
+    return saved is None or mine is None or saved == mine
 
 
 def _same_grid(what: str, owner: ModelState, saved: Any) -> None:

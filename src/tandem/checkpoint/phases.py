@@ -240,9 +240,10 @@ def check(
 def read_shard_parts(
     path: Path, payload: dict[str, Any], entries: list[Entry], files: ShardFiles, rank: int
 ) -> dict[str, Any] | None:
-    """This rank's shard parts (key -> part): its own file's at the world size that saved them;
-    at another, each sharded entry's cut anew (:meth:`Entry.reshard`) from the saved ranks'
-    files that overlap this rank's share, each read once. None for a checkpoint without shards.
+    """This rank's shard parts (key -> part): its own file's at the world size and layout that
+    saved them; at another, each sharded entry's cut anew (:meth:`Entry.reshard`) from the
+    saved ranks' files that overlap this rank's share, each read once. None for a checkpoint
+    without shards.
 
     Raises:
         CheckpointError: a file needed is missing or corrupt (at another world size the message
@@ -254,8 +255,14 @@ def read_shard_parts(
     digests = payload["shards"]["sha256"]
     world_size = _dist.group_size()
     if len(digests) == world_size:
-        return files.read(rank, digests[rank])
-    log.info("resharding %s: %d shard files for %d processes", path, len(digests), world_size)
+        own = files.read(rank, digests[rank])
+        if all(e.cut_alike(own.get(e.key)) for e in entries):
+            return own
+        # As many files as processes, cut on another layout (hybrid and flat sharding of the
+        # same ranks): each rank cuts its part anew, as at another world size.
+        log.info("resharding %s: its shard files were cut on another layout", path)
+    else:
+        log.info("resharding %s: %d shard files for %d processes", path, len(digests), world_size)
     read = cached_reader(lambda q: files.read(q, digests[q]))
     objects = payload["objects"]
     parts: dict[str, Any] = {}
