@@ -555,9 +555,7 @@ def _mesh(wrapper: type) -> dict:
     errors = []
     for kwargs in (
         {"device_mesh": mesh, "process_group": dist.group.WORLD},
-        # torch takes 1-D meshes only; tandem takes 2-D ones too (replicate x shard: hybrid
-        # DDP, tests/parallel/ddp/test_ddp_hybrid.py), and refuses more dimensions as torch does.
-        {"device_mesh": init_device_mesh("cpu", (dist.get_world_size(), 1, 1))},
+        {"device_mesh": init_device_mesh("cpu", (dist.get_world_size(), 1))},
     ):
         try:
             wrapper(_mlp(rank), **kwargs)

@@ -15,7 +15,7 @@ nodes, all-gathered in the node; equal to one process, every byte on each group 
 - **Flat tandem.DDP** over the 4 ranks gives the same parameters within 1e-6 (float32): only the
   order of the additions differs.
 - **Three ways to say it**: ``hybrid=True``, ``shard_group=``/``replicate_group=`` from
-  ``tandem.groups.partition`` / ``strided``, and a 2-D ``DeviceMesh`` (replicate, shard) train
+  ``tandem.groups.partition`` / ``strided``, and a 2-D ``DeviceMesh``'s groups train
   bitwise alike (losses and parameters), and are hybrid (``model.grid``).
 - **Bytes per group per step** (tandem.doctor's counter), to the byte, for 3 steps, against
   formulas from the plain model's parameter sizes: within the node, per bucket of ``n`` float32
@@ -175,7 +175,8 @@ def _flat_and_three_ways() -> dict:
     ways = {
         "hybrid=True": {"hybrid": True},
         "groups": {"shard_group": rows.group, "replicate_group": columns.group},
-        "2-D mesh": {"device_mesh": mesh},
+        # A 2-D mesh's groups (torch's DDP, and so tandem.DDP, refuse the mesh itself).
+        "2-D mesh": {"shard_group": mesh.get_group(1), "replicate_group": mesh.get_group(0)},
     }
     runs, grids = {}, {}
     for name, kwargs in ways.items():

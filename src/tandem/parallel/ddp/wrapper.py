@@ -13,7 +13,7 @@ The life of a wrapped model:
    returns, every ``.grad`` holds the mean over ranks, and any optimizer takes the same step on
    every rank.
 
-Hybrid (``hybrid=True``, ``shard_group=`` with ``replicate_group=``, or a 2-D ``device_mesh``):
+Hybrid (``hybrid=True``, or ``shard_group=`` with ``replicate_group=``, a 2-D mesh's groups):
 the ranks form a grid (:mod:`tandem.groups`), rows the nodes, columns across them, and each
 bucket's all-reduce becomes three collectives
 (:func:`~tandem.parallel.ddp.comm_hooks.hybrid_allreduce_hook`): a reduce-scatter within the
@@ -85,10 +85,10 @@ class DistributedDataParallel(nn.Module, Joinable):
         mixed_precision: torch's experimental ``_MixedPrecision``: not supported
             (``NotImplementedError``); use ``torch.autocast`` or tandem.Trainer's precision.
         device_mesh: a one-dimensional ``DeviceMesh``, whose group is averaged over (instead
-            of ``process_group``), or a two-dimensional one (replicate, shard): hybrid, as
-            ``shard_group=mesh.get_group(1)``, ``replicate_group=mesh.get_group(0)`` (torch's
-            DDP takes one dimension only). A mesh sliced out of a larger one (data parallel
-            alongside tensor parallel) is not supported.
+            of ``process_group``); more dimensions are refused, as torch refuses them (for a
+            2-D mesh (replicate, shard) pass ``shard_group=mesh.get_group(1)``,
+            ``replicate_group=mesh.get_group(0)``: hybrid). A mesh sliced out of a larger one
+            (data parallel alongside tensor parallel) is not supported.
         skip_all_reduce_unused_params: with ``find_unused_parameters`` (or ``static_graph``), a
             bucket whose parameters are all unused in a backward is not reduced, and their
             ``.grad`` stay as they are. The unused parameters must be the same on every rank.
@@ -531,21 +531,16 @@ def _grid(
     """The grid tandem.DDP's arguments describe; None for torch's own (``process_group`` or a
     1-D ``device_mesh``, left to torch's rules and errors). A collective over the grid's ranks
     when it is hybrid (the groups are checked, or made from the node layout)."""
-    two_d = device_mesh is not None and getattr(device_mesh, "ndim", None) == 2
-    flat = hybrid is False and shard_group is None and replicate_group is None
-    if flat and (not two_d or process_group):
+    # A device_mesh alone is torch's (1-D only: a 2-D one is refused as torch's DDP refuses it,
+    # torch's own test suite checks that); a mesh's groups give the hybrid form instead.
+    if hybrid is False and shard_group is None and replicate_group is None:
         return None
     if comm_hook is not None:
         raise ValueError(
             f"tandem.DDP: comm_hook={getattr(comm_hook, '__name__', comm_hook)!r} with a hybrid "
-            "grid (hybrid=True, shard_group= with replicate_group=, or a 2-D device_mesh): the "
+            "grid (hybrid=True, or shard_group= with replicate_group=): the "
             "buckets are reduced by the hybrid hook (reduce-scatter in the node, all-reduce "
             "across nodes, all-gather in the node), which yours would replace; pass one of them"
-        )
-    if two_d and device_mesh._get_root_mesh() != device_mesh:
-        raise NotImplementedError(
-            f"tandem.DDP: device_mesh={device_mesh} is sliced out of a larger mesh; pass "
-            "shard_group=mesh.get_group(1) and replicate_group=mesh.get_group(0) instead"
         )
     return resolve_grid(
         process_group=process_group,
@@ -565,7 +560,6 @@ def _group_of_mesh(device_mesh: Any, process_group: Any) -> Any:
     if process_group:
         raise RuntimeError("Cannot specify both process_group and device_mesh arguments.")
     if device_mesh.ndim != 1:
-        # (A 2-D mesh is tandem's hybrid form, taken by _grid; torch takes 1-D only.)
         raise RuntimeError(f"Only 1D device mesh is supported, but got {device_mesh}.")
     if device_mesh._get_root_mesh() != device_mesh:
         raise NotImplementedError(
