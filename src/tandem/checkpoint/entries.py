@@ -188,7 +188,9 @@ class OptimizerEntry(Entry):
             raise ValueError(f"{self.what}: {e}") from e
 
     def cut_alike(self, shard: dict[str, Any] | None) -> bool:
-        return self.owner is None or _grid_fits(self.owner, _part(shard, "mesh"))
+        if self.owner is not None:  # over an FSDP model's shards: cut on its grid
+            return _grid_fits(self.owner, _part(shard, "mesh"))
+        return self.state.cut_alike(_part(shard, "optimizer"))
 
     def check(self, state: Any, shard: dict[str, Any] | None) -> None:
         if self.owner is not None:

@@ -470,6 +470,11 @@ class OptimizerState(StateAdapter):
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
 
+    def cut_alike(self, shard: Any) -> bool:
+        """Whether this rank's own saved shard fits it as it is (only a sharded optimizer's
+        may not: :class:`ZeroOptimizer`)."""
+        return True
+
     def full(self, to: int = 0) -> dict[str, Any] | None:
         return self.optimizer.state_dict()
 
@@ -549,6 +554,17 @@ class ZeroOptimizer(OptimizerState):
 
     def load_full(self, state: Any) -> None:
         self.optimizer.load_full_state_dict(state)
+
+    def cut_alike(self, shard: Any) -> bool:
+        """Whether this rank's own saved shard was cut for the place it has now (the same rank,
+        world size and owners within the group the state is sharded over): at the same world
+        size on another layout (2 nodes x 2 against one node of 4) it was not, and the load
+        regroups the state as at another world size (:meth:`reshard`)."""
+        opt = self.optimizer
+        if not isinstance(shard, Mapping):
+            return True  # no shard of it here: check() names what is wrong
+        got = (shard.get("rank"), shard.get("world_size"), shard.get("owners"))
+        return got == (opt.rank, opt.world_size, list(opt.owners))
 
     def _check_shard(self, what: str, shard: Any) -> None:
         opt = self.optimizer
