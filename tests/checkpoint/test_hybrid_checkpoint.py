@@ -222,3 +222,16 @@ def test_as_many_processes_on_another_layout_load_the_same_state_bitwise(runs, l
 def test_what_cannot_load_is_a_clear_error_on_every_rank(runs):
     ddp = [r["sharded by ddp"] for r in runs[2]]
     assert all(m is not None and "shards of a tandem.FullyShardedDataParallel" in m for m in ddp)
+
+
+def test_export_of_the_hybrid_sharded_checkpoint_is_the_saved_model(runs, tmp_path):
+    # Four files, two copies of every slice: export takes one copy (saved rank 0's node).
+    pytest.importorskip("safetensors")
+    from safetensors.torch import load_file
+
+    out = checkpoint.export_weights(runs["tmp"] / "hybrid.pt", tmp_path / "hybrid.safetensors")
+    got = load_file(str(out))
+    want = runs[4][0]["oracle"]["model"]
+    assert got.keys() == want.keys()
+    for name, tensor in want.items():
+        assert torch.equal(got[name], tensor), name

@@ -42,6 +42,7 @@ from tandem.checkpoint.run_dir import LATEST, CheckpointError, latest_checkpoint
 from tandem.checkpoint.sealed import payload_kind, read_verified
 from tandem.checkpoint.shards import read_shard
 from tandem.files import write_atomic
+from tandem.parallel.fsdp.reshard import replica_ranks
 from tandem.parallel.fsdp.state import SHARDED_FORMAT
 from tandem.parallel.sharding import flat_shard, padded_numel
 
@@ -177,6 +178,13 @@ def assemble_fsdp_shards(shards: Sequence[Mapping[str, Any]]) -> dict[str, torch
     """
     if not shards:
         raise CheckpointError("no FSDP shards to assemble")
+    # A hybrid run's files hold a copy of every slice per node: one copy is the whole model,
+    # the files of saved rank 0's shard group (a flat run's: all of them).
+    try:
+        row = replica_ranks(shards[0], len(shards))
+    except ValueError as e:
+        raise CheckpointError(str(e)) from e
+    shards = [shards[q] for q in row]
     world_size = len(shards)
     first = shards[0]
     for rank, shard in enumerate(shards):
