@@ -165,12 +165,30 @@ def meet(
             base, judge = found, False
     else:
         base = _connect(host, port, deadline)
-    _check_in(base, rank, world_size, deadline, timeout, judge)
+    try:
+        _check_in(base, rank, world_size, deadline, timeout, judge)
+    except RendezvousError as error:
+        if agent_store and "checked in" in str(error):
+            raise RendezvousError(f"{error}{_TORCHRUN_HINT}") from None
+        raise
     base.set_timeout(store_timeout or dist.default_pg_timeout)
     global joined, noted, _formed_at, _by_hand
     joined, noted = base, None
     _formed_at, _by_hand = time.monotonic(), numbered_by_hand
     return base
+
+
+# Under torchrun's agent store a RANK checked in twice is often no mistake of the user's: after a
+# restart torchrun's nodes can disagree on TORCHELASTIC_RESTART_COUNT (the node whose worker
+# failed counts the restart, one restarted for a waiting node does not), which scopes the
+# check-in, and its shared rendezvous store keeps the failed attempt's entries; so a process
+# of that attempt is among the "duplicates". Nothing a worker sees names torchrun's round.
+_TORCHRUN_HINT = (
+    " (under torchrun after a restart, a process of the failed attempt may be one of them: "
+    "torchrun's nodes can disagree on TORCHELASTIC_RESTART_COUNT, and its shared rendezvous "
+    "store keeps that attempt's entries; set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for "
+    "torchrun, or launch with tandem run)"
+)
 
 
 def check_out(rank: int, world_size: int, wait_s: float = CHECK_OUT_WAIT_S) -> None:
