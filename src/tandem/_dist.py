@@ -185,3 +185,28 @@ def wait_for_all() -> None:
     """Return once every rank has called this (a barrier)."""
     if group_size() > 1:
         dist.barrier()
+
+
+# torch 2.13 renamed the flat collectives; older versions (tandem supports 2.4+) lack the new
+# names, and the old ones warn on new versions. Looked up at each call, not once at import:
+# tandem.doctor's records replace torch's functions when they are installed, later.
+def all_gather_flat(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+) -> Any:
+    """``dist.all_gather_single`` (``all_gather_into_tensor`` before torch 2.13)."""
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(output, input, group=group, async_op=async_op)
+
+
+def reduce_scatter_flat(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+) -> Any:
+    """``dist.reduce_scatter_single`` (``reduce_scatter_tensor`` before torch 2.13), a sum."""
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(output, input, group=group, async_op=async_op)

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tandem._dist import group_size
+from tandem._dist import all_gather_flat, group_size, reduce_scatter_flat
 from tandem.doctor import records
 
 CommHook = Callable[[Any, "GradBucket"], torch.futures.Future]
@@ -271,7 +271,10 @@ def hybrid_allreduce_hook(
     stages: list[tuple[str, Callable[[], Any]]] = []
     if shard > 1:
         stages.append(
-            (f"{what}: reduce-scatter in the node", lambda: _reduce_scatter(piece, sent, state))
+            (
+                f"{what}: reduce-scatter in the node",
+                lambda: reduce_scatter_flat(piece, sent, state.shard_group, async_op=True),
+            )
         )
     if replicate > 1:
         stages.append(
@@ -281,7 +284,12 @@ def hybrid_allreduce_hook(
             )
         )
     if shard > 1:
-        stages.append((f"{what}: all-gather in the node", lambda: _all_gather(sent, piece, state)))
+        stages.append(
+            (
+                f"{what}: all-gather in the node",
+                lambda: all_gather_flat(sent, piece, state.shard_group, async_op=True),
+            )
+        )
 
     def finish() -> torch.Tensor:
         if sent is not buf:
@@ -289,21 +297,6 @@ def hybrid_allreduce_hook(
         return buf
 
     return state.submit(stages, finish)
-
-
-# torch 2.13 renamed the flat collectives (reduce_scatter_tensor -> reduce_scatter_single,
-# all_gather_into_tensor -> all_gather_single); older versions lack the new names and the old
-# ones warn on new versions. Looked up at each call: tandem.doctor's records replace torch's
-# functions when they are installed, later. (FSDP's flat.py looks them up the same way; it is
-# not imported here because that would import the whole FSDP package with tandem.DDP.)
-def _reduce_scatter(out: torch.Tensor, inp: torch.Tensor, state: HybridState) -> Any:
-    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    return fn(out, inp, group=state.shard_group, async_op=True)
-
-
-def _all_gather(out: torch.Tensor, inp: torch.Tensor, state: HybridState) -> Any:
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return fn(out, inp, group=state.shard_group, async_op=True)
 
 
 def _compress_hook(dtype: torch.dtype) -> CommHook:

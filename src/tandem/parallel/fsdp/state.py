@@ -33,8 +33,8 @@ from typing import Any
 
 import torch
 
-from tandem._dist import agree
-from tandem.parallel.fsdp.flat import FlatUnit, all_gather_flat
+from tandem._dist import agree, all_gather_flat
+from tandem.parallel.fsdp.flat import FlatUnit
 from tandem.parallel.fsdp.layout import FsdpLayout
 
 SHARDED_FORMAT = "tandem.fsdp.sharded/1"
