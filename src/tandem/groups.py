@@ -341,16 +341,11 @@ def group_info(group: Any, index: int = 0) -> GroupInfo:
 
         group_info(None).ranks      # (0, 1, 2, 3) in a job of 4
     """
-    import torch.distributed as dist
-
-    from tandem._dist import group_rank, initialized
+    from tandem._dist import global_ranks, group_rank, initialized
 
     if not initialized():
         return GroupInfo(group=None, size=1, rank=0, leader=0, index=0, ranks=(0,))
-    if group is None:
-        ranks = tuple(range(dist.get_world_size()))
-    else:
-        ranks = tuple(dist.get_process_group_ranks(group))
+    ranks = tuple(global_ranks(group))
     return GroupInfo(group, len(ranks), group_rank(group), ranks[0], index, ranks)
 
 

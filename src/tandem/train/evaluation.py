@@ -16,10 +16,9 @@ from collections.abc import Iterable, Sized
 from typing import Any, cast
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from tandem._dist import gather_objects, group_size
+from tandem._dist import gather_objects, global_ranks, group_size
 from tandem.data.eval_sampler import shard_range
 from tandem.metrics import Accuracy, Mean, reduce_sum
 from tandem.parallel.adapters import model_state
@@ -136,6 +135,5 @@ def lockstep_forwards(model: nn.Module, eval_data: Any, batch_size: int) -> int 
             "model every rank runs each evaluation forward, so every rank needs a sample; "
             "evaluate a larger set, or on fewer processes"
         )
-    group = wrapper.process_group
-    members = range(world) if group is None else dist.get_process_group_ranks(group)
+    members = global_ranks(wrapper.process_group)
     return max(-(-len(shard_range(n, world, q)) // batch_size) for q in members)
