@@ -20,7 +20,8 @@ FSDP2 ``fully_shard``), over Gloo in real processes. AdamW after 3 steps (so eve
 - ``read_dcp_weights`` (what ``tandem export`` reads), in one process, equals torch's own
   ``dcp_to_torch_save`` conversion of the same directories.
 - errors: a state key the checkpoint lacks and a model of another shape are ValueErrors on
-  every rank naming the path and the key; a directory without ``.metadata`` is not DCP.
+  every rank naming the path and the key; a directory without ``.metadata`` is not DCP;
+  ``kind="sharded"`` with ``format="dcp"`` is refused before anything is written.
 """
 
 from __future__ import annotations
@@ -167,9 +168,9 @@ def _tandem_writes(tmp: str) -> dict:
     path = Path(tmp, f"tandem-ddp-{ws}")
     state = {"model": ddp, "optimizer": opt, "step": STEPS}
     try:  # refused on every rank before anything is written
-        tandem.checkpoint.save(state, path, format="dcp", async_=True)
+        tandem.checkpoint.save(state, path, format="dcp", kind="sharded")
     except ValueError as e:
-        out["async_refused"] = "format='dcp'" in str(e) and not path.exists()
+        out["sharded_refused"] = "kind='sharded'" in str(e) and not path.exists()
     tandem.checkpoint.save(state, path, format="dcp")  # the public API: save_dcp
     out["is_dcp"] = is_dcp(path)
     plain = models.mlp(seed=7)
@@ -213,7 +214,7 @@ def test_torch_reads_what_tandem_writes(tmp_path: Path) -> None:
     at2, at3 = _at_2_then_3(_tandem_writes, tmp_path)
     for r in at2 + at3:
         assert r["is_dcp"] and r["ddp_bitwise"] and r["step"] == STEPS, r
-        assert r["async_refused"], r
+        assert r["sharded_refused"], r
     assert all(r["fsdp2_bitwise"] for r in at3), at3
     # What `tandem export` reads, in this process alone, against torch's own conversion.
     for name in ("tandem-ddp-3", "tandem-fsdp"):

@@ -106,7 +106,7 @@ from torch import nn
 from tandem import _dist
 from tandem._dist import from_rank0
 from tandem.checkpoint.async_save import WRITER, AsyncSave, Meeting
-from tandem.checkpoint.dcp import is_dcp, load_dcp, save_dcp
+from tandem.checkpoint.dcp import holds_dcp_files, is_dcp, load_dcp, write_dcp
 from tandem.checkpoint.export import export_file as _export_file
 from tandem.checkpoint.export import strip_wrapper_prefixes, write_safetensors
 from tandem.checkpoint.phases import (
@@ -250,8 +250,9 @@ def save(
         format: ``"tandem"`` (this module's files) or ``"dcp"``: a directory of torch's
             distributed checkpoint, laid out as torch's own tools write a model and its
             optimizer (:mod:`tandem.checkpoint.dcp`: an FSDP model and its optimizer written
-            by every rank, its own slices; synchronous; ``kind`` does not apply), which
-            ``torch.distributed.checkpoint.load`` reads.
+            by every rank, its own slices, a ShardedOptimizer's state by each owner;
+            ``async_`` as for the tandem format, the same writer; ``kind`` does not apply),
+            which ``torch.distributed.checkpoint.load`` reads.
 
     Returns:
         ``path``, on every rank; with ``async_``: an :class:`AsyncSave` whose ``wait()``
@@ -277,14 +278,16 @@ def save(
         raise ValueError(f"format must be 'tandem' or 'dcp', not {format!r}")
     WRITER.settle("tandem.checkpoint.save")
     if format == "dcp":
-        if async_ or kind != "full":
-            raise ValueError(
-                f"format='dcp' is written synchronously, in DCP's own layout (an FSDP model's "
-                f"slices by each rank, the rest by rank 0), so async_={async_!r} and "
-                f"kind={kind!r} do not apply: leave them at async_=False, kind='full', or use "
-                "the tandem format"
+        # Refused on every rank with the ranks' own checks, before anything is written.
+        refused = None
+        if kind != "full":
+            refused = ValueError(
+                f"kind={kind!r} does not apply to format='dcp': DCP's layout is one (an FSDP "
+                "model's and its optimizer's slices by each rank, a ShardedOptimizer's state "
+                "by each owner, the rest by rank 0); leave kind='full', or save kind='sharded' "
+                "in the tandem format"
             )
-        return save_dcp(state, path)
+        return write_dcp(state, path, async_=async_, problem=refused, started=started)
     rank, world_size = _dist.group_rank(), _dist.group_size()
     # Phase 1: every rank sorts its values, and the ranks compare them before any collective.
     entries, problem = classify_state(state)
@@ -380,7 +383,8 @@ def load(
     WRITER.settle("tandem.checkpoint.load")
     if format not in (None, "tandem", "dcp"):
         raise ValueError(f"format must be 'tandem', 'dcp' or None, not {format!r}")
-    if format == "dcp" or (format is None and is_dcp(path)):
+    # A DCP save that did not finish is recognised too, and refused as one.
+    if format == "dcp" or (format is None and (is_dcp(path) or holds_dcp_files(path))):
         load_dcp(state, path)
         return
     rank = _dist.group_rank()

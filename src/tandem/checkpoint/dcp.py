@@ -25,15 +25,36 @@ row-major order, which may start and end mid-row; DCP's chunks are N-d boxes, so
 written as the few boxes it is made of (:func:`boxes`: a partial first row, whole rows, a
 partial last row, and so on one dimension down; at most ``2 * ndim - 1``). DCP's readers take
 any boxes: torch's planner loads them into a plain state dict or into FSDP2's row shards at
-any world size. A plain module, tandem.DDP or torch's DDP (whole on every rank) is written by
-rank 0 alone; a tandem.ShardedOptimizer's state is gathered to rank 0, which writes it (each
-owner writing its own parameters is not done yet).
+any world size. A tandem.ShardedOptimizer's state is written **by each owner**, no gather:
+each rank the state of the parameters it owns, as whole tensors under their parameters' names
+(a hybrid optimizer: the ranks of global rank 0's node, each node holding the same state), and
+rank 0 the parameter groups: the metadata a gathered save writes, so a plain optimizer reads
+it. A plain module, tandem.DDP or torch's DDP (whole on every rank) and a plain optimizer are
+written by rank 0 alone.
+
+**In the background** (``async_=True``): the same writer as tandem's own format
+(:mod:`tandem.checkpoint.async_save`): the call agrees, then copies what this rank writes into
+the writer's staging memory; DCP's save runs in the writer thread from that copy, its
+collectives over a Gloo group of their own (not the training's), rank 0's ``.metadata``
+under the writer's commit. One save in flight, either format; errors on every rank at
+``wait()``, the next save or load, or the exit. Staging memory: one copy of what this rank
+writes, reused between saves of the same shapes: on rank 0 the replicated model and plain
+optimizers (whole), on every rank its FSDP slices and the state of its ShardedOptimizer
+parameters.
+
+**Complete means ``.metadata``.** DCP's rank 0 writes it last, once every rank's files are
+written and fsynced, to a temporary name renamed into place; this module then syncs the
+directory. The data files of a save over an older checkpoint are written in place, so rank 0
+first removes the older ``.metadata`` (before any rank writes: DCP's first collective waits for
+rank 0). A save killed at any moment leaves the older checkpoint untouched or a directory with
+no ``.metadata``, which :func:`load_dcp` refuses as not complete, and torch's ``dcp.load`` too.
 
 **Who reads what.** Loading into a tandem FSDP model (and its optimizer), each rank asks DCP's
 reader only for the elements of its own slices (the boxes of its runs; DCP reads the saved
 chunks they overlap), at any world size, whoever wrote the checkpoint: tandem at another world
-size, FSDP2 (row shards), one process. Other objects read the whole tensors of their keys and
-load them through their full-state paths. Objects with per-rank state
+size, FSDP2 (row shards), one process. A ShardedOptimizer reads only the state of the
+parameters this rank owns (its full-state load keeps no other). Other objects read the whole
+tensors of their keys and load them through their full-state paths. Objects with per-rank state
 (:class:`tandem.checkpoint.RNG`) and engines have no place in this layout and are refused; save
 them with tandem's own format.
 
@@ -61,17 +82,21 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
 import itertools
 import math
+import time
 import warnings
 from collections.abc import Mapping, MutableMapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, overload
 
 import torch
 
 from tandem import _dist
+from tandem._dist import gather_objects, global_ranks
+from tandem.checkpoint.async_save import WRITER, AsyncSave, Meeting
 from tandem.checkpoint.entries import (
     Entry,
     ModelEntry,
@@ -79,17 +104,20 @@ from tandem.checkpoint.entries import (
     StatefulEntry,
     ValueEntry,
 )
-from tandem.checkpoint.phases import agree, classify_state, settle
+from tandem.checkpoint.phases import ERRORS, Collected, agree, classify_state, kind_of, settle
 from tandem.checkpoint.run_dir import CheckpointError
-from tandem.parallel.adapters import FlatPiece, OptimizerState, listed, unwrap
+from tandem.files import fsync_dir
+from tandem.parallel.adapters import FlatPiece, OptimizerState, ZeroOptimizer, listed, unwrap
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata
 
+    from tandem.parallel.zero import ShardedOptimizer
+
 # torch.distributed.checkpoint is imported where it is used: 0.7 s that every process importing
 # tandem.checkpoint would otherwise pay, saving DCP or not.
 
-__all__ = ["boxes", "is_dcp", "load_dcp", "read_dcp_weights", "save_dcp"]
+__all__ = ["boxes", "holds_dcp_files", "is_dcp", "load_dcp", "read_dcp_weights", "save_dcp"]
 
 METADATA = ".metadata"
 
@@ -112,7 +140,19 @@ def is_dcp(path: str | Path) -> bool:
 # -- saving -------------------------------------------------------------------------------------
 
 
-def save_dcp(state: Mapping[str, Any], path: str | Path) -> Path:
+@overload
+def save_dcp(
+    state: Mapping[str, Any], path: str | Path, *, async_: Literal[False] = ...
+) -> Path: ...
+@overload
+def save_dcp(state: Mapping[str, Any], path: str | Path, *, async_: Literal[True]) -> AsyncSave: ...
+@overload
+def save_dcp(state: Mapping[str, Any], path: str | Path, *, async_: bool) -> Path | AsyncSave: ...
+
+
+def save_dcp(
+    state: Mapping[str, Any], path: str | Path, *, async_: bool = False
+) -> Path | AsyncSave:
     """Save ``state`` to the DCP directory ``path`` in torch's layout (a collective).
 
     Args:
@@ -120,52 +160,244 @@ def save_dcp(state: Mapping[str, Any], path: str | Path) -> Path:
             torch's DDP, tandem.FullyShardedDataParallel), optimizer (plain,
             tandem.ShardedOptimizer, one over an FSDP model's shards), object with
             ``state_dict()`` (a scheduler), or plain value. An FSDP model and its optimizer
-            are written by every rank, each its own slices; the rest by rank 0 (see the
-            module doc). The same keys on every rank.
+            are written by every rank, each its own slices, a ShardedOptimizer's state by
+            each owner; the rest by rank 0 (see the module doc). The same keys on every rank.
         path: the directory; created. Each rank writes its own file; DCP writes
-            ``.metadata`` last, on rank 0.
+            ``.metadata`` last, on rank 0, once every rank's file is written and fsynced: a
+            save that did not finish leaves no ``.metadata`` (an older one at ``path`` is
+            removed before anything is written), so nothing loads it as complete.
+        async_: return once the state is copied to host memory, and write the directory in
+            the background (:mod:`tandem.checkpoint.async_save`'s writer, shared with the
+            tandem format: at most one save in flight; errors raised on every rank by
+            ``wait()``, else by the next save or load).
 
     Returns:
-        ``path``, on every rank.
+        ``path``, on every rank; with ``async_``: an :class:`AsyncSave` whose ``wait()``
+        returns ``path`` once ``.metadata`` is written.
 
     Raises:
         ValueError: a value with no place in DCP's layout (an engine, per-rank state), an
             optimizer whose parameters belong to no model of ``state``, or ranks that
-            disagree on the keys; raised on every rank, before anything is written.
-        OSError: DCP could not write (on every rank).
+            disagree on the keys or on ``async_``; raised on every rank, before anything is
+            written.
+        OSError: DCP could not write (on every rank; with ``async_``, by ``wait()``).
 
     Example::
 
         save_dcp({"model": model, "optimizer": opt, "step": 100}, "ckpt/dcp-100")
+        handle = save_dcp(state, "ckpt/dcp-200", async_=True)
+        ...                                                   # training goes on
+        handle.wait()
     """
+    return write_dcp(state, path, async_=async_, problem=None, started=time.monotonic())
+
+
+def write_dcp(
+    state: Mapping[str, Any],
+    path: str | Path,
+    *,
+    async_: bool,
+    problem: Exception | None,
+    started: float,
+) -> Path | AsyncSave:
+    """:func:`save_dcp`, with ``problem``: the caller's refusal of its arguments (None: none),
+    raised on every rank with the ranks' own checks; ``started``: when the save was called
+    (``time.monotonic()``), for the handle's ``blocked_s``."""
     path = Path(path)
-    entries = _agreed_entries(state, path, "save")
+    if problem is None and not isinstance(async_, bool):
+        problem = ValueError(f"async_ must be True or False, not {async_!r}")
+    WRITER.settle("tandem.checkpoint.save")  # at most one save in flight, either format
+    # Phase 1: the ranks agree on the values, then on what each can write and on async_.
+    entries, refused = classify_state(state)
+    if problem is None:
+        problem = refused if refused is not None else _refused(entries)
+    agree(entries, problem, path, "save")
     local: Exception | None = None
     names: dict[str, list[str]] = {}
     try:
         names = {e.key: _optimizer_names(e.state, entries) for e in _optimizers(entries)}
     except ValueError as error:
         local = ValueError(f"cannot save DCP checkpoint {path}: {error}")
-    settle(local)
-    lead = _dist.group_rank() == 0
+    _settle_alike(local, bool(async_), path)
+    # Phase 2: what this rank writes; the tensors are the live ones (views of them).
+    out = _written(entries, names, _dist.group_rank() == 0)
+    if not async_:
+        return _write(path, out, None, Meeting())
+    # Phases 3 and 4 in the background, from a copy: the caller may change the objects now.
+    group = _BACKGROUND.group()
+    collected = Collected(states={}, parts={"dcp": _stageable(out)}, mine={})
+    write = functools.partial(_write_staged, path, group)
+    return WRITER.start(path, collected, write, _dist.group_rank(), started)
+
+
+def _settle_alike(local: Exception | None, async_: bool, path: Path) -> None:
+    """Raise on every rank if any rank's ``local`` is an error, or the ranks' ``async_``
+    differ (one gather: those that would write in the background would wait in another group
+    than those that would not)."""
+    if _dist.group_size() == 1:
+        if local is not None:
+            raise local
+        return
+    everyone = gather_objects((None if local is None else (kind_of(local), str(local)), async_))
+    failed = [(r, e) for r, (e, _) in enumerate(everyone) if e is not None]
+    if failed:
+        text = "; ".join(f"rank {r}: {message}" for r, (_, message) in failed)
+        raise ERRORS[failed[0][1][0]](text) from local
+    if len({a for _, a in everyone}) > 1:
+        seen = ", ".join(f"rank {r}: {a}" for r, (_, a) in enumerate(everyone))
+        raise ValueError(
+            f"tandem.checkpoint.save of DCP checkpoint {path}: the ranks pass different "
+            f"async_ ({seen}); every rank passes the same"
+        )
+
+
+def _written(entries: list[Entry], names: dict[str, list[str]], lead: bool) -> dict[str, Any]:
+    """What this rank writes, by key (``lead``: rank 0, which writes what all hold alike)."""
     out: dict[str, Any] = {}
     for e in entries:
         if _pieced(e):
             # Every rank its own elements; rank 0 what all hold alike (buffers, steps, groups).
             out[e.key] = _pieces_value(e, lead)
-            continue
-        # A whole state is rank 0's (gathered there for a ShardedOptimizer); the others write
-        # none of it.
-        value = _saved_value(e, names.get(e.key, []))
-        if lead:
-            out[e.key] = value
-    try:
-        import torch.distributed.checkpoint as torch_dcp
+        elif isinstance(e, OptimizerEntry) and isinstance(e.state, ZeroOptimizer):
+            # Every owner its own parameters' state; rank 0 the parameter groups.
+            out[e.key] = _owners_value(e.state.optimizer, names[e.key], lead)
+        elif lead:
+            # A whole state is rank 0's; the others write none of it.
+            out[e.key] = _saved_value(e, names.get(e.key, []))
+    return out
 
-        torch_dcp.save(out, checkpoint_id=path, planner=_pieces_save_planner())
+
+def _owners_value(opt: ShardedOptimizer, names: list[str], lead: bool) -> dict[str, Any]:
+    """What this rank writes of a ShardedOptimizer: the state of the parameters it owns, by
+    name, as the gathered state names it (so the metadata is the gathered save's, and a plain
+    optimizer's state dict reads it); ``lead`` adds the parameter groups."""
+    out: dict[str, Any] = {"state": {}}
+    # Hybrid: every row holds the whole state, split over its ranks; global rank 0's row
+    # writes it once. (Flat: one row, every rank.)
+    if 0 in global_ranks(opt.process_group):
+        inner = opt.optimizer.state_dict()  # by inner position: the rank's own parameters
+        index = {id(p): i for i, p in enumerate(opt.params)}
+        where = [index[id(p)] for g in opt.optimizer.param_groups for p in g["params"]]
+        out["state"] = {names[where[k]]: dict(s) for k, s in inner["state"].items()}
+    if lead:
+        # The outer groups: every parameter, the hyperparameters a scheduler set last.
+        out["param_groups"], start = [], 0
+        for g in opt.param_groups:
+            hyper = {k: v for k, v in g.items() if k != "params"}
+            out["param_groups"].append({**hyper, "params": names[start : start + len(g["params"])]})
+            start += len(g["params"])
+    return out
+
+
+def _write(path: Path, out: dict[str, Any], group: Any, meeting: Meeting) -> Path:
+    """Phases 3 and 4 (a collective over ``group``, None: the default one): every rank's file
+    written and fsynced, then rank 0's ``.metadata``, which commits. An older ``.metadata`` is
+    removed first: the data files are written over in place, and the old metadata would
+    describe them as complete while they are half written."""
+    import torch.distributed.checkpoint as torch_dcp
+
+    if _dist.group_rank() == 0:
+        # Before any rank writes: DCP's first collective (its plans) waits for rank 0's.
+        stale = path / METADATA
+        if stale.is_file():
+            stale.unlink()
+            fsync_dir(path)
+    try:
+        torch_dcp.save(
+            out,
+            storage_writer=_committing_writer()(path, meeting),
+            planner=_pieces_save_planner(),
+            process_group=group,
+        )
     except torch_dcp.api.CheckpointException as e:  # raised on every rank by DCP
         raise OSError(f"could not save DCP checkpoint {path}: {e}") from e
     return path
+
+
+def _write_staged(path: Path, group: Any, staged: Collected, meeting: Meeting) -> Path:
+    """:func:`_write` in the background, from the staging copy."""
+    return _write(path, _unstaged(staged.parts["dcp"]), group, meeting)
+
+
+def _committing_writer() -> type:
+    """DCP's file writer whose ``finish`` (rank 0 writing ``.metadata``: the commit) runs as
+    a tandem save's commit does: refused once the save was given up, one at a time in the
+    process, and the directory synced after, so a committed save outlives a power loss."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    class CommittingWriter(FileSystemWriter):
+        def __init__(self, path: Path, meeting: Meeting) -> None:
+            super().__init__(str(path))
+            self.meeting = meeting
+
+        def _metadata_exists(self) -> bool:
+            # DCP's check of an older checkpoint here only warns; rank 0 removes its
+            # .metadata itself before any rank writes, and this check, on the other ranks,
+            # races that removal.
+            return False
+
+        def finish(self, metadata: Any, results: Any) -> None:
+            with self.meeting.commit():
+                super().finish(metadata, results)
+                fsync_dir(Path(self.path))
+
+    return CommittingWriter
+
+
+class _StagedPiece(NamedTuple):
+    """A :class:`FlatPiece` as the staging memory copies it: a named tuple, whose tensor the
+    staging copies into its reused memory (a FlatPiece it would deep-copy, and with it the
+    whole flat shard its values are a view of)."""
+
+    shape: torch.Size
+    start: int
+    values: torch.Tensor
+
+
+def _stageable(tree: Any) -> Any:
+    """``tree`` with its pieces as :class:`_StagedPiece`."""
+    if isinstance(tree, FlatPiece):
+        return _StagedPiece(tree.shape, tree.start, tree.values)
+    if isinstance(tree, dict):
+        return {k: _stageable(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_stageable(v) for v in tree]
+    return tree
+
+
+def _unstaged(tree: Any) -> Any:
+    """:func:`_stageable` undone, on the staging copy."""
+    if isinstance(tree, _StagedPiece):
+        return FlatPiece(torch.Size(tree.shape), tree.start, tree.values)
+    if isinstance(tree, dict):
+        return {k: _unstaged(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_unstaged(v) for v in tree]
+    return tree
+
+
+class _BackgroundGroup:
+    """The Gloo group the background writes' DCP collectives run in: not the training's, so
+    that they never interleave with its collectives. Made at the first asynchronous DCP save
+    (a collective), again in a new world."""
+
+    def __init__(self) -> None:
+        self._group: Any = None
+        self._for: Any = None
+
+    def group(self) -> Any:
+        if _dist.group_size() == 1:
+            return None
+        import torch.distributed as dist
+
+        world = dist.group.WORLD
+        if self._group is None or self._for is not world:
+            self._group = dist.new_group(backend="gloo", group_desc="tandem DCP writer")
+            self._for = world
+        return self._group
+
+
+_BACKGROUND = _BackgroundGroup()
 
 
 def _pieced(entry: Entry) -> bool:
@@ -193,7 +425,7 @@ def _pieces_value(entry: Entry, lead: bool) -> Any:
 
 
 def _saved_value(entry: Entry, names: list[str]) -> Any:
-    """What ``entry`` is in DCP's layout (a collective for sharded objects; None off rank 0)."""
+    """What ``entry`` is in DCP's layout, on rank 0 (a whole state: nothing collective)."""
     if isinstance(entry, ModelEntry):
         return entry.state.full(0)
     if isinstance(entry, OptimizerEntry):
@@ -470,10 +702,12 @@ def load_dcp(state: MutableMapping[str, Any], path: str | Path) -> None:
         start = state["step"]
     """
     path = Path(path)
+    WRITER.settle("tandem.checkpoint.load")  # a save still being written first
     entries = _agreed_entries(state, path, "load")
     local: Exception | None = None
     targets: dict[str, Any] = {}  # the buffers a pieced entry's pieces are read into
     pieces: dict[str, FlatPiece] = {}  # by DCP key
+    skipped: set[str] = set()  # the DCP keys this rank does not read
     try:
         metadata = _metadata(path)
         _check_keys(path, metadata, [e.key for e in entries])
@@ -485,10 +719,14 @@ def load_dcp(state: MutableMapping[str, Any], path: str | Path) -> None:
             if _pieced(e):
                 mine, targets[e.key] = _empty_pieces(path, e, metadata)
                 pieces.update(mine)
+            elif isinstance(e, OptimizerEntry) and isinstance(e.state, ZeroOptimizer):
+                names = _optimizer_names(e.state, entries)
+                skipped |= _not_owned(metadata, e.key, e.state.optimizer, names)
     except (ValueError, CheckpointError) as error:
         local = error
     settle(local)
-    saved = _read(path, metadata, [e.key for e in entries], no_dist=False, pieces=pieces)
+    keys = [e.key for e in entries]
+    saved = _read(path, metadata, keys, no_dist=False, pieces=pieces, skipped=skipped)
     loaded: dict[str, Any] = {}
     local = None
     try:
@@ -507,6 +745,18 @@ def load_dcp(state: MutableMapping[str, Any], path: str | Path) -> None:
     except Exception as error:  # an object's own refusal: raised on every rank
         local = error
     settle(local)
+
+
+def _not_owned(metadata: Metadata, key: str, opt: ShardedOptimizer, names: list[str]) -> set[str]:
+    """The DCP keys under ``key`` of the state of the parameters this rank's ``opt`` does not
+    own (``names``: its parameters' names, by position): it keeps only its own parameters'
+    state, so it reads only theirs."""
+    owned = {n for n, owner in zip(names, opt.owners, strict=True) if owner == opt.rank}
+    return {
+        fqn
+        for fqn, where in _places(metadata).items()
+        if where[:2] == (key, "state") and len(where) > 2 and where[2] not in owned
+    }
 
 
 def _shapes(metadata: Metadata, key: str) -> dict[str, Any]:
@@ -555,8 +805,27 @@ def _empty_pieces(path: Path, entry: Entry, metadata: Metadata) -> tuple[dict[st
     return out, buffers
 
 
+def holds_dcp_files(path: str | Path) -> bool:
+    """Whether ``path`` is a directory holding DCP's data files (``*.distcp``), complete or
+    not: a DCP save that did not finish leaves them without ``.metadata``.
+
+    Example::
+
+        >>> holds_dcp_files("/nonexistent")
+        False
+    """
+    path = Path(path)
+    return path.is_dir() and any(path.glob("*.distcp"))
+
+
 def _metadata(path: Path) -> Metadata:
     if not is_dcp(path):
+        if holds_dcp_files(path):
+            raise CheckpointError(
+                f"{path} is not a complete DCP checkpoint: it holds DCP's data files but no "
+                f"{METADATA}, which is written last (its save did not finish); load an "
+                "older checkpoint"
+            )
         what = "no such directory" if not path.exists() else f"no {METADATA} file in it"
         raise CheckpointError(f"{path} is not a DCP checkpoint ({what})")
     import torch.distributed.checkpoint as torch_dcp
@@ -579,17 +848,21 @@ def _check_keys(path: Path, metadata: Metadata, keys: list[str]) -> None:
 
 
 def _placeholders(
-    path: Path, metadata: Metadata, keys: list[str], pieces: Mapping[str, FlatPiece]
+    path: Path,
+    metadata: Metadata,
+    keys: list[str],
+    pieces: Mapping[str, FlatPiece],
+    skipped: set[str],
 ) -> dict[str, Any]:
-    """A flat dict of the DCP keys under ``keys``: ``pieces[key]`` where given, else an empty
-    tensor for each tensor (read whole)."""
+    """A flat dict of the DCP keys under ``keys`` but ``skipped``: ``pieces[key]`` where
+    given, else an empty tensor for each tensor (read whole)."""
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
     _check_keys(path, metadata, keys)
     places = _places(metadata)
     flat: dict[str, Any] = {}
     for fqn, item in metadata.state_dict_metadata.items():
-        if places.get(fqn, (None,))[0] not in keys:
+        if places.get(fqn, (None,))[0] not in keys or fqn in skipped:
             continue
         if fqn in pieces:
             flat[fqn] = pieces[fqn]
@@ -613,15 +886,20 @@ def _read(
     *,
     no_dist: bool,
     pieces: Mapping[str, FlatPiece] | None = None,
+    skipped: set[str] | None = None,
 ) -> dict[str, Any]:
     """The entries ``keys`` of the checkpoint, nested as saved: whole tensors, but the DCP keys
-    of ``pieces`` read into them, this rank's elements only (a collective unless ``no_dist``)."""
-    wanted = _placeholders(path, metadata, keys, pieces or {})
+    of ``pieces`` read into them, this rank's elements only, and those ``skipped`` not read
+    (a collective unless ``no_dist``)."""
+    wanted = _placeholders(path, metadata, keys, pieces or {}, skipped or set())
     import torch.distributed.checkpoint as torch_dcp
 
     planner = _safe_load_planner()
     try:
-        torch_dcp.load(wanted, checkpoint_id=path, planner=planner, no_dist=no_dist)
+        with warnings.catch_warnings():
+            if no_dist or not _dist.initialized():  # DCP's note that it reads in one process
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            torch_dcp.load(wanted, checkpoint_id=path, planner=planner, no_dist=no_dist)
     except torch_dcp.api.CheckpointException as e:  # raised on every rank by DCP
         raise CheckpointError(f"could not read DCP checkpoint {path}: {e}") from e
     # Tensors were read in place; the other values are in the planner's copy of the dict.
@@ -642,9 +920,7 @@ def read_dcp_weights(path: str | Path, key: str = "model") -> dict[str, torch.Te
         net.load_state_dict(weights, strict=True)
     """
     path = Path(path)
-    with warnings.catch_warnings():  # DCP's note that it reads in one process: that is the aim
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        weights = _read(path, _metadata(path), [key], no_dist=True)[key]
+    weights = _read(path, _metadata(path), [key], no_dist=True)[key]
     if not isinstance(weights, dict) or not all(
         isinstance(v, torch.Tensor) for v in weights.values()
     ):
