@@ -95,7 +95,7 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple, overload
 import torch
 
 from tandem import _dist
-from tandem._dist import gather_objects, global_ranks
+from tandem._dist import gather_objects
 from tandem.checkpoint.async_save import WRITER, AsyncSave, Meeting
 from tandem.checkpoint.entries import (
     Entry,
@@ -107,12 +107,11 @@ from tandem.checkpoint.entries import (
 from tandem.checkpoint.phases import ERRORS, Collected, agree, classify_state, kind_of, settle
 from tandem.checkpoint.run_dir import CheckpointError
 from tandem.files import fsync_dir
-from tandem.parallel.adapters import FlatPiece, OptimizerState, ZeroOptimizer, listed, unwrap
+from tandem.parallel.adapters import FlatPiece, OptimizerState, listed, unwrap
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata
 
-    from tandem.parallel.zero import ShardedOptimizer
 
 # torch.distributed.checkpoint is imported where it is used: 0.7 s that every process importing
 # tandem.checkpoint would otherwise pay, saving DCP or not.
@@ -258,31 +257,25 @@ def _written(entries: list[Entry], names: dict[str, list[str]], lead: bool) -> d
         if _pieced(e):
             # Every rank its own elements; rank 0 what all hold alike (buffers, steps, groups).
             out[e.key] = _pieces_value(e, lead)
-        elif isinstance(e, OptimizerEntry) and isinstance(e.state, ZeroOptimizer):
+        elif isinstance(e, OptimizerEntry) and e.state.owned() is not None:
             # Every owner its own parameters' state; rank 0 the parameter groups.
-            out[e.key] = _owners_value(e.state.optimizer, names[e.key], lead)
+            out[e.key] = _owners_value(e.state, names[e.key], lead)
         elif lead:
             # A whole state is rank 0's; the others write none of it.
             out[e.key] = _saved_value(e, names.get(e.key, []))
     return out
 
 
-def _owners_value(opt: ShardedOptimizer, names: list[str], lead: bool) -> dict[str, Any]:
-    """What this rank writes of a ShardedOptimizer: the state of the parameters it owns, by
-    name, as the gathered state names it (so the metadata is the gathered save's, and a plain
-    optimizer's state dict reads it); ``lead`` adds the parameter groups."""
-    out: dict[str, Any] = {"state": {}}
-    # Hybrid: every row holds the whole state, split over its ranks; global rank 0's row
-    # writes it once. (Flat: one row, every rank.)
-    if 0 in global_ranks(opt.process_group):
-        inner = opt.optimizer.state_dict()  # by inner position: the rank's own parameters
-        index = {id(p): i for i, p in enumerate(opt.params)}
-        where = [index[id(p)] for g in opt.optimizer.param_groups for p in g["params"]]
-        out["state"] = {names[where[k]]: dict(s) for k, s in inner["state"].items()}
+def _owners_value(adapter: OptimizerState, names: list[str], lead: bool) -> dict[str, Any]:
+    """What this rank writes of an optimizer whose ranks each hold their own parameters' state
+    (a ShardedOptimizer): that state, by name, as the gathered state names it (so the metadata
+    is the gathered save's, and a plain optimizer's state dict reads it); ``lead`` adds the
+    parameter groups."""
+    out: dict[str, Any] = {"state": {names[k]: s for k, s in adapter.owned_state().items()}}
     if lead:
         # The outer groups: every parameter, the hyperparameters a scheduler set last.
         out["param_groups"], start = [], 0
-        for g in opt.param_groups:
+        for g in adapter.optimizer.param_groups:
             hyper = {k: v for k, v in g.items() if k != "params"}
             out["param_groups"].append({**hyper, "params": names[start : start + len(g["params"])]})
             start += len(g["params"])
@@ -719,9 +712,9 @@ def load_dcp(state: MutableMapping[str, Any], path: str | Path) -> None:
             if _pieced(e):
                 mine, targets[e.key] = _empty_pieces(path, e, metadata)
                 pieces.update(mine)
-            elif isinstance(e, OptimizerEntry) and isinstance(e.state, ZeroOptimizer):
+            elif isinstance(e, OptimizerEntry) and (owned := e.state.owned()) is not None:
                 names = _optimizer_names(e.state, entries)
-                skipped |= _not_owned(metadata, e.key, e.state.optimizer, names)
+                skipped |= _not_owned(metadata, e.key, owned, names)
     except (ValueError, CheckpointError) as error:
         local = error
     settle(local)
@@ -747,15 +740,15 @@ def load_dcp(state: MutableMapping[str, Any], path: str | Path) -> None:
     settle(local)
 
 
-def _not_owned(metadata: Metadata, key: str, opt: ShardedOptimizer, names: list[str]) -> set[str]:
-    """The DCP keys under ``key`` of the state of the parameters this rank's ``opt`` does not
-    own (``names``: its parameters' names, by position): it keeps only its own parameters'
-    state, so it reads only theirs."""
-    owned = {n for n, owner in zip(names, opt.owners, strict=True) if owner == opt.rank}
+def _not_owned(metadata: Metadata, key: str, owned: list[bool], names: list[str]) -> set[str]:
+    """The DCP keys under ``key`` of the state of the parameters this rank does not own
+    (``owned``, ``names``: by position): it keeps only its own parameters' state, so it reads
+    only theirs."""
+    mine = {n for n, own in zip(names, owned, strict=True) if own}
     return {
         fqn
         for fqn, where in _places(metadata).items()
-        if where[:2] == (key, "state") and len(where) > 2 and where[2] not in owned
+        if where[:2] == (key, "state") and len(where) > 2 and where[2] not in mine
     }
 
 

@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tandem._dist import agree, group_rank
+from tandem._dist import agree, global_ranks, group_rank
 from tandem.parallel.ddp.wrapper import DistributedDataParallel
 from tandem.parallel.dp.wrapper import DataParallel
 from tandem.parallel.fsdp import reshard as fsdp_reshard
@@ -516,6 +516,18 @@ class OptimizerState(StateAdapter):
         parameters in order."""
         return None
 
+    def owned(self) -> list[bool] | None:
+        """Where each rank holds only its own parameters' state (ZeRO-1): whether this rank
+        holds each parameter's, by position in the full state dict. None: the state is held
+        whole on every rank, or in pieces (:attr:`pieced`)."""
+        return None
+
+    def owned_state(self) -> dict[int, dict[str, Any]]:
+        """The state of the parameters this rank owns (:meth:`owned`), by position in the full
+        state dict, gathering nothing; empty where another rank writes the same state (a
+        hybrid optimizer's nodes each hold all of it: global rank 0's node gives it)."""
+        raise NotImplementedError
+
     def check(self, what: str, saved: Any, shard: Any) -> None:
         if shard is not None:
             self._check_shard(what, shard)
@@ -554,6 +566,19 @@ class ZeroOptimizer(OptimizerState):
 
     def load_full(self, state: Any) -> None:
         self.optimizer.load_full_state_dict(state)
+
+    def owned(self) -> list[bool] | None:
+        opt = self.optimizer
+        return [owner == opt.rank for owner in opt.owners]
+
+    def owned_state(self) -> dict[int, dict[str, Any]]:
+        opt = self.optimizer
+        if 0 not in global_ranks(opt.process_group):
+            return {}  # another node's ranks hold the same state, and write it
+        inner = opt.optimizer.state_dict()  # by inner position: this rank's own parameters
+        index = {id(p): i for i, p in enumerate(opt.params)}
+        where = [index[id(p)] for g in opt.optimizer.param_groups for p in g["params"]]
+        return {where[k]: dict(s) for k, s in inner["state"].items()}
 
     def cut_alike(self, shard: Any) -> bool:
         """Whether this rank's own saved shard was cut for the place it has now (the same rank,
