@@ -10,7 +10,9 @@ while the test cuts their network, then go on into it. Proves:
   store's side) leave rank 2 out and go on: they exit 0, and the run ends **bitwise** equal to
   its oracle (trained to the step at 3 ranks, saved, resumed at 2: the recovery tests'); the
   recovery (detection included) takes at most the issue's 5 s; rank 2 stops with the error
-  that names the partition, and node 2's launcher ends non-zero saying it lost the store;
+  that names the partition, and node 2's launcher ends non-zero saying it lost the store; with
+  ``--max-restarts 1`` nobody starts a replacement for rank 2 and node 0 says why (node 2's
+  launcher is gone);
 - a partition 3|1 (4 nodes, node 3 split off at the switch): the same, at 4 ranks then 3;
 - a partition 2|2 (4 nodes): no side holds a majority: ranks 0 and 1 (the store's side) stop
   saying so, ranks 2 and 3 stop saying they are cut off from the store, every launcher ends
@@ -67,7 +69,9 @@ def net_of(request) -> Iterator:
 class Job:
     """One `tandem run` per node, one rank each, the outputs in files."""
 
-    def __init__(self, net: Switch, out: Path, args: list[str]) -> None:
+    def __init__(
+        self, net: Switch, out: Path, args: list[str], flags: tuple[str, ...] = ()
+    ) -> None:
         self.net, self.out = net, out
         self.logs = [out.with_name(f"node{i}.log") for i in range(len(net.nodes))]
         self.procs: list[subprocess.Popen] = []
@@ -82,7 +86,7 @@ class Job:
                     "--nnodes", str(len(net.nodes)), "--node-rank", str(rank),
                     "--nproc-per-node", "1",
                     "--master-addr", net.nodes[0].address, "--master-port", str(PORT),
-                    "--recover", "in-memory", "--heartbeat-timeout", f"{BEAT_S:g}",
+                    "--recover", "in-memory", "--heartbeat-timeout", f"{BEAT_S:g}", *flags,
                     "-m", WORKER, str(out), *args,
                 ]
             )  # fmt: skip
@@ -148,22 +152,25 @@ class Job:
 
 
 @contextlib.contextmanager
-def job(net: Switch, out: Path, args: list[str]) -> Iterator[Job]:
-    started = Job(net, out, args)
+def job(net: Switch, out: Path, args: list[str], flags: tuple[str, ...] = ()) -> Iterator[Job]:
+    started = Job(net, out, args, flags)
     try:
         yield started
     finally:
         started.stop()
 
 
-def _majority_goes_on(net: Switch, tmp_path: Path, cut: str, step: int = 3) -> None:
+def _majority_goes_on(
+    net: Switch, tmp_path: Path, cut: str, step: int = 3, flags: tuple[str, ...] = ()
+) -> None:
     """The last node is cut off (``cut``: "link" or "split") at ``step``; the others hold a
-    majority, go on, and end as the oracle does."""
+    majority, go on, and end as the oracle does. With ``--max-restarts`` in ``flags``, node 0
+    says that nobody replaces the victim (its node's launcher is gone with the store)."""
     n = len(net.nodes)
     victim = n - 1
     out = tmp_path / "recovered.pt"
     addr = net.nodes[0].address
-    with job(net, out, ["--pause", f"{victim}:{step}"]) as run:
+    with job(net, out, ["--pause", f"{victim}:{step}"], flags) as run:
         run.paused([victim])
         if cut == "link":
             net.cut(victim)
@@ -182,6 +189,12 @@ def _majority_goes_on(net: Switch, tmp_path: Path, cut: str, step: int = 3) -> N
     assert f"recovery 1: rank {victim} (no exit seen by the launcher) lost at step {step}" in (
         run.text(0)
     ), shown
+    no_replacement = (
+        f"no replacement is started for rank {victim}: its node (node {victim}) has had no "
+        "`tandem run` beat"
+    )
+    assert (no_replacement in run.text(0)) == ("--max-restarts" in flags), shown
+    assert "starting rank" not in "".join(run.text(i) for i in range(n)), shown
 
     recovered = torch.load(out, weights_only=True)
     (recovery,) = recovered["recoveries"]
@@ -196,7 +209,8 @@ def _majority_goes_on(net: Switch, tmp_path: Path, cut: str, step: int = 3) -> N
 @pytest.mark.timeout(300)
 def test_a_link_down_leaves_the_cut_node_out_and_the_others_end_as_the_oracle(net_of, tmp_path):
     (tmp_path / "oracle").mkdir()
-    _majority_goes_on(net_of(3), tmp_path, "link")
+    # A replacement is allowed: nobody can start one (node 2's launcher lost the store).
+    _majority_goes_on(net_of(3), tmp_path, "link", flags=("--max-restarts", "1"))
 
 
 @pytest.mark.timeout(300)

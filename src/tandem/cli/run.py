@@ -123,10 +123,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "store, each launcher announces its lost ranks there and the others go on without "
         "them (a script using tandem's in-memory recovery re-forms and redoes the step; a side "
         "of a partition without a majority stops); a node's launcher succeeds if one of its "
-        "workers runs to completion. A lost worker is replaced while --max-restarts allows (one "
-        "node: the others admit the replacement at their next step); a loss the others cannot "
-        "go on from in memory (a sharded Trainer, a script without tandem's recovery) falls "
-        "back to restart, up to --max-restarts (with many nodes: the job ends on every node) "
+        "workers runs to completion. A lost worker is replaced while --max-restarts allows (by "
+        "its own node's launcher, counted per node as torchrun counts restarts; the others "
+        "admit the replacement at their next step); a loss the others cannot go on from in "
+        "memory (a sharded Trainer, a script without tandem's recovery) falls back to restart, "
+        "up to --max-restarts (with many nodes: every node's workers restart together) "
         "(default: restart; see docs/guides/recovery.md)",
     )
     flag(

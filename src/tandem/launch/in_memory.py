@@ -38,12 +38,20 @@ Many nodes (a fixed ``--nnodes N``, static rendezvous; an elastic ``MIN:MAX`` is
 node 0's launcher hosts the store at ``--master-addr:--master-port`` (reachable by the other
 nodes) and the others are clients of it, each call bounded (a call on a cut link waits for an
 answer that never comes: :class:`_RemoteStore`). Every launcher marks its own lost workers dead,
-fences its own workers that the survivors left out (:func:`members_key`), and ends when its
-workers have all exited; node 0 keeps the store until every other node is done or silent
-(:meth:`InMemoryCoordinator.finish`). A loss that cannot be recovered in memory ends the job on
-every node (:func:`fallback_key`, :data:`NO_RESTART`): restarting every node's workers together
-is not done. A launcher that loses the store (node 0 down, or this node cut off) ends with
-:func:`lost_store_message`, as torch's c10d store's loss ends a job.
+fences its own workers that the survivors left out (:func:`members_key`), and replaces its own
+lost workers on its own node (``--max-restarts`` counts this node's replacements, as torchrun's
+counts per node), each with a launch rank taken from a counter in the store
+(:meth:`InMemoryCoordinator.launch_rank`), so that no two nodes give one out twice. A loss that
+cannot be recovered in memory makes the launcher that saw it end the attempt on every node
+(:meth:`InMemoryCoordinator.end_job`, :class:`JobEnd`): every launcher stops its workers, they
+meet in the store (:meth:`InMemoryCoordinator.settle`: node 0 decides, once every node has
+stopped, whether every node restarts), node 0 starts a fresh store on the same port and the
+others connect to it again (:meth:`InMemoryCoordinator.begin`), and every node starts its
+workers again to resume from the last checkpoint, while ``--max-restarts`` allows (the
+fall-backs are counted for the job: every node restarts at each). A launcher that loses the
+store (node 0 down, or this node cut off) ends with :func:`lost_store_message`, as torch's c10d
+store's loss ends a job; a node whose launcher is gone gets no replacement, and node 0 says so
+(:func:`no_replacement_line`).
 
 The survivors note each recovery in the report directory (``TANDEM_REPORT_DIR``) as
 ``tandem-recovery-*.json``; the exit summary joins them with the launcher's record
@@ -106,13 +114,6 @@ NOT_STARTED = (
 )
 #: The end of the launcher's line when it falls back.
 FALLS_BACK = "--recover in-memory falls back to restart"
-#: Why a job of many nodes ends instead (every node would have to restart its workers at once,
-#: with a fresh store on node 0 that the others find: not done yet).
-NO_RESTART = (
-    "--recover in-memory ends a job of many nodes here: it does not restart every node's "
-    "workers together; run the job again to resume from the last checkpoint, or use --recover "
-    "restart"
-)
 # How long the store's own operations (in the launcher) wait.
 _STORE_TIMEOUT = timedelta(seconds=60)
 
@@ -276,6 +277,65 @@ def node_key(node: int, name: str, environ: Mapping[str, str] = os.environ) -> s
     return f"tandem/{key_scope(environ)}recover/launcher/node{node}/{name}"
 
 
+def launcher_key(name: str, environ: Mapping[str, str] = os.environ) -> str:
+    """A key the launchers of a job of many nodes share (``replacements``: the counter of launch
+    ranks given to replacements; ``attempt``: the attempt node 0's store serves; ``next``: node
+    0's decision at an attempt's end; ``rank<r>``: the node that started replacement ``r``).
+
+    Example::
+
+        >>> launcher_key("replacements", {})
+        'tandem/recover/launcher/replacements'
+    """
+    return f"tandem/{key_scope(environ)}recover/launcher/{name}"
+
+
+@dataclass(frozen=True)
+class JobEnd:
+    """Why a launcher of a job of many nodes ended the attempt on every node (a loss that cannot
+    be recovered in memory): ``why``, its line as it said it (without ``tandem run: ``);
+    ``line``, the exit summary's entry for it (:func:`fallback_line`); ``restart``, the restart
+    it asks for (1 for the first; 0: none is left). Written once under :func:`fallback_key`
+    (the first launcher's stands) and read by every other.
+
+    Example::
+
+        >>> JobEnd.loads(JobEnd("rank 1 was lost", "rank 1 lost", 1).dumps()).restart
+        1
+    """
+
+    why: str
+    line: str
+    restart: int = 0
+
+    def dumps(self) -> str:
+        return json.dumps({"why": self.why, "line": self.line, "restart": self.restart})
+
+    @classmethod
+    def loads(cls, text: str | bytes) -> JobEnd:
+        try:
+            said = json.loads(_text(text))
+            return cls(str(said["why"]), str(said["line"]), int(said["restart"]))
+        except (ValueError, KeyError, TypeError):  # a launcher of an older tandem: words only
+            return cls(_text(text), _text(text), 0)
+
+
+def no_replacement_line(rank: int, node: int, silent_s: float) -> str:
+    """What node 0 says of a rank the survivors left out whose node's launcher is gone: nobody
+    replaces it (a lost worker is replaced by its own node's launcher only).
+
+    Example::
+
+        >>> print(no_replacement_line(2, 2, 5.0))
+        tandem run: no replacement is started for rank 2: its node (node 2) has had no `tandem run` beat for 5 s (killed, its host down, or cut off from the store), and only a worker's own node starts one
+    """  # noqa: E501
+    return (
+        f"tandem run: no replacement is started for rank {rank}: its node (node {node}) has had "
+        f"no `tandem run` beat for {silent_s:g} s (killed, its host down, or cut off from the "
+        "store), and only a worker's own node starts one"
+    )
+
+
 def lost_store_message(where: str, error: BaseException | str) -> str:
     """What a launcher of many nodes says when it cannot reach the job's store any more.
 
@@ -300,15 +360,23 @@ class _RemoteStore:
 
     def __init__(self, store: Any, where: str, timeout: float) -> None:
         self._store, self._where, self._timeout = store, where, timeout
-        self._calls: queue.Queue[tuple[Callable[[], Any], list[Any], threading.Event]] = (
+        self._calls: queue.Queue[tuple[Callable[[], Any], list[Any], threading.Event] | None] = (
             queue.Queue()
         )
         self._broken: str | None = None
         threading.Thread(target=self._serve, name="tandem-store-client", daemon=True).start()
 
+    def close(self) -> None:
+        """Stop the thread and drop the client: its connection closes with it."""
+        self._calls.put(None)
+
     def _serve(self) -> None:
         while True:
-            call, result, done = self._calls.get()
+            item = self._calls.get()
+            if item is None:
+                self._store = None
+                return
+            call, result, done = item
             try:
                 result.append((True, call()))
             except Exception as exc:
@@ -352,13 +420,17 @@ class InMemoryCoordinator(LocalCoordinator):
     whose calls give up after ``store_timeout`` (a cut link makes a call wait, not fail) with a
     LaunchError (:func:`lost_store_message`). ``begin`` waits (``join_timeout``) until every
     node's launcher is there; :meth:`beat` shows this launcher alive, :meth:`end_job` and
-    :meth:`ended` carry a job-wide end (a fall-back) to every node, and :meth:`finish` says this
-    node is done; node 0 returns from it only once every other node is done or silent, so the
-    store outlives every worker that still uses it. There is one attempt: no restart.
+    :meth:`ended` carry the end of an attempt (a fall-back) to every node, and :meth:`settle`
+    is where the nodes meet once their workers have exited: node 0 decides whether the job
+    restarts, and returns only once every other node has its answer (or is silent), so the
+    store outlives every worker and launcher that still uses it. A restart is a fresh store
+    on the same port, which the other nodes find by the attempt it serves
+    (:func:`launcher_key` ``attempt``).
 
     ``report_failure`` announces a lost rank under :func:`dead_key`; ``able`` reads what the
-    workers said under :func:`able_key`. ``close`` (at the launcher's end, after every worker)
-    stops the store (node 0) or drops the client.
+    workers said under :func:`able_key`; :meth:`launch_rank` gives a replacement its launch
+    rank. ``close`` (at the launcher's end, after every worker) stops the store (node 0) or
+    drops the client.
     """
 
     def __init__(
@@ -380,6 +452,7 @@ class InMemoryCoordinator(LocalCoordinator):
         self.store_timeout = max(5.0, 2 * heartbeat_timeout)
         self._beats = 0.0  # when this launcher last beat (monotonic)
         self._seen: dict[int, tuple[int, float]] = {}  # node -> its beat count, when it moved
+        self._idle: bool | None = None  # what this node last said under its "idle" key
 
     @property
     def many(self) -> bool:
@@ -394,9 +467,7 @@ class InMemoryCoordinator(LocalCoordinator):
             HEARTBEAT_VARIABLE: f"{self.heartbeat_timeout:g}",
         }
         if self.many:
-            if attempt:
-                raise LaunchError("--recover in-memory with many nodes does not restart")
-            self._join()
+            self._join(attempt)
             return Attempt(self.addr, self.where[1], env, self.node_rank, self.nnodes, attempt)
         self.close()  # the attempt before's: its workers are stopped, its keys go with it
         self.store, port = _host_store(self.addr, self.port)
@@ -408,25 +479,19 @@ class InMemoryCoordinator(LocalCoordinator):
         assert self.port is not None
         return self.addr, self.port
 
-    def _join(self) -> None:
-        """Host the store (node 0) or connect to it, and wait for every node's launcher."""
-        from torch.distributed import TCPStore
-
+    def _join(self, attempt: int) -> None:
+        """Host the store of ``attempt`` (node 0: a fresh one after the first) or connect to it,
+        and wait for every node's launcher."""
         addr, port = self.where
+        self._seen, self._idle = {}, None  # a fresh store: no beat nor mark of the last one
         if self.node_rank == 0:
+            self.close()  # the attempt before's: every other node has left it (settle)
             self.store, _ = _host_store(addr, port)
-            warn_without_secret(key_scope(), addr, port)
+            if attempt == 0:
+                warn_without_secret(key_scope(), addr, port)
+            self.store.set(launcher_key("attempt"), str(attempt))
         else:
-            try:
-                client = TCPStore(addr, port, None, False, timedelta(seconds=self.join_timeout))
-            except RuntimeError as exc:
-                raise LaunchError(
-                    f"node {self.node_rank} could not reach node 0's store at {addr}:{port} "
-                    f"within {self.join_timeout:.0f} s: is node 0's `tandem run` started with "
-                    f"--master-addr {addr} --master-port {port}, and is that port reachable "
-                    f"from this host? ({exc})"
-                ) from exc
-            self.store = _RemoteStore(client, f"{addr}:{port}", self.store_timeout)
+            self.store = self._connect(attempt)
         self.store.set(node_key(self.node_rank, "joined"), "1")
         deadline = time.monotonic() + self.join_timeout
         while True:
@@ -442,6 +507,40 @@ class InMemoryCoordinator(LocalCoordinator):
                     f"{port} --recover in-memory ...` on each of them"
                 )
             time.sleep(0.05)
+
+    def _connect(self, attempt: int) -> _RemoteStore:
+        """A client of node 0's store of ``attempt``. After the first, node 0 may still serve
+        the attempt before's (it waits until every node has left it): a store whose
+        ``attempt`` key is not this one is dropped and asked again."""
+        from torch.distributed import TCPStore
+
+        addr, port = self.where
+        self.close()
+        deadline = time.monotonic() + self.join_timeout
+        error: BaseException | None = None
+        while time.monotonic() < deadline:
+            remote = None
+            try:
+                # The first attempt's client waits for node 0 to start listening; a later one
+                # asks again soon, since the store that answers may be the old one, closing.
+                left = deadline - time.monotonic()
+                wait = max(1.0, left if attempt == 0 else min(self.store_timeout, left))
+                client = TCPStore(addr, port, None, False, timedelta(seconds=wait))
+                remote = _RemoteStore(client, f"{addr}:{port}", self.store_timeout)
+                key = launcher_key("attempt")
+                if remote.check([key]) and _text(remote.get(key)) == str(attempt):
+                    return remote
+            except (RuntimeError, LaunchError) as exc:  # refused, or the old store closing
+                error = exc
+            if remote is not None:
+                remote.close()
+            time.sleep(0.1)
+        raise LaunchError(
+            f"node {self.node_rank} could not reach node 0's store at {addr}:{port} (attempt "
+            f"{attempt}) within {self.join_timeout:.0f} s: is node 0's `tandem run` started "
+            f"with --master-addr {addr} --master-port {port}, and is that port reachable from "
+            f"this host? ({error})"
+        )
 
     def report_failure(self, round: int, failure: Failure) -> None:
         if self.store is not None:
@@ -479,6 +578,25 @@ class InMemoryCoordinator(LocalCoordinator):
             self.store.check([admits_key(rank)]) for rank in ranks
         )
 
+    def launch_rank(self, world_size: int) -> int:
+        """A launch rank no worker of this attempt had, for a replacement this node starts: the
+        job's counter in the store (``world_size``, then one more each), so that two nodes
+        replacing a worker each at once give out two ranks. With many nodes the rank's node
+        is noted (:meth:`node_of`)."""
+        rank = world_size + int(self.store.add(launcher_key("replacements"), 1)) - 1
+        if self.many:
+            self.store.set(launcher_key(f"rank{rank}"), str(self.node_rank))
+        return rank
+
+    def node_of(self, rank: int, nproc_per_node: int) -> int | None:
+        """The node whose launcher started launch rank ``rank`` (None if unknown)."""
+        if rank < self.nnodes * nproc_per_node:
+            return rank // nproc_per_node
+        key = launcher_key(f"rank{rank}")
+        if self.store is None or not self.store.check([key]):
+            return None
+        return int(_text(self.store.get(key)))
+
     def beat(self) -> None:
         """Many nodes: show this launcher alive (every half second at most)."""
         now = time.monotonic()
@@ -486,35 +604,93 @@ class InMemoryCoordinator(LocalCoordinator):
             self.store.add(node_key(self.node_rank, "beat"), 1)
             self._beats = now
 
-    def end_job(self, why: str) -> str:
-        """Many nodes: end the job on every node, saying ``why``; the first reason stays and is
-        returned."""
-        return _text(self.store.compare_set(fallback_key(), "", why)) or why
+    def idle(self, idle: bool) -> None:
+        """Many nodes: say whether this node runs no member of the job (only replacements not
+        admitted yet, or nothing): when every node is idle, nobody is left to admit them."""
+        if self.many and self.store is not None and idle != self._idle:
+            self.store.set(node_key(self.node_rank, "idle"), "1" if idle else "0")
+            self._idle = idle
 
-    def ended(self) -> str | None:
-        """Many nodes: why a launcher ended the job on every node (:meth:`end_job`), or None."""
+    def others_idle(self) -> bool:
+        """Many nodes: whether every other node is idle (:meth:`idle`), done, or silent."""
+        for node in range(self.nnodes):
+            if node == self.node_rank or self.store.check([node_key(node, "done")]):
+                continue
+            key = node_key(node, "idle")
+            if self.store.check([key]) and _text(self.store.get(key)) == "1":
+                continue
+            if not self.silent(node):
+                return False
+        return True
+
+    def end_job(self, end: JobEnd) -> JobEnd:
+        """Many nodes: end this attempt on every node (a fall-back), for ``end``'s reason; the
+        first launcher's end stands and is returned."""
+        return JobEnd.loads(self.store.compare_set(fallback_key(), "", end.dumps()) or "")
+
+    def ended(self) -> JobEnd | None:
+        """Many nodes: why a launcher ended this attempt on every node (:meth:`end_job`)."""
         if not self.many or self.store is None or not self.store.check([fallback_key()]):
             return None
-        return _text(self.store.get(fallback_key()))
+        return JobEnd.loads(self.store.get(fallback_key()))
 
-    def finish(self, round: int, stopped: Callable[[], bool] = lambda: False) -> None:
-        """Many nodes: this node's workers have all exited. Node 0 (the store's host) waits
-        until every other node is done too, or silent (its launcher's beat has not moved for
-        ``store_timeout``: dead, or cut off), so no worker loses the store while it runs."""
+    def settle(
+        self, tick: Callable[[], None] = lambda: None, stopped: Callable[[], bool] = lambda: False
+    ) -> tuple[int, str]:
+        """Many nodes: this node's workers have all exited (or were stopped). The nodes meet:
+        once every node is done (or silent), node 0 decides whether the job restarts (a
+        launcher asked for it with :meth:`end_job`, and every node is still there to restart:
+        with a fixed ``--nnodes`` a restart cannot do without one) and writes it; every other
+        node reads it and says it has; node 0 returns once each has (or is silent), so no
+        launcher loses the store while it still needs it. ``tick`` runs while waiting (the
+        launcher beats there). Returns the restart agreed (0: the job is over) and, if one was
+        asked for and cannot be made, why."""
         if not self.many or self.store is None:
-            return None
+            return 0, ""
         self.store.set(node_key(self.node_rank, "done"), "1")
+        decision = launcher_key("next")
+        others = [n for n in range(self.nnodes) if n != self.node_rank]
         if self.node_rank != 0:
-            return None
-        waiting = set(range(1, self.nnodes))
-        while waiting and not stopped():
-            for node in sorted(waiting):
-                if self.store.check([node_key(node, "done")]) or self._silent(node):
-                    waiting.discard(node)
-            time.sleep(0.05)
-        return None
+            while not self.store.check([decision]) and not stopped():
+                tick()
+                time.sleep(0.05)
+            if stopped():
+                return 0, ""
+            said = json.loads(_text(self.store.get(decision)))
+            self.store.set(node_key(self.node_rank, "left"), "1")
+            return int(said["restart"]), str(said["why"])
+        gone = self._wait_for(others, "done", tick, stopped)
+        end = self.ended()
+        restart, why = 0, ""
+        if end is not None and end.restart and gone:
+            why = (
+                f"node(s) {', '.join(map(str, gone))} of --nnodes {self.nnodes} went silent "
+                f"(no beat for {self.store_timeout:g} s: killed, host down, or cut off), and a "
+                "restart needs every node"
+            )
+        elif end is not None:
+            restart = end.restart
+        self.store.set(decision, json.dumps({"restart": restart, "why": why}))
+        self._wait_for([n for n in others if n not in gone], "left", tick, stopped)
+        return restart, why
 
-    def _silent(self, node: int) -> bool:
+    def _wait_for(
+        self, nodes: list[int], name: str, tick: Callable[[], None], stopped: Callable[[], bool]
+    ) -> list[int]:
+        """Until each of ``nodes`` set its ``name`` key or went silent; the silent ones."""
+        waiting, silent = set(nodes), []
+        while waiting and not stopped():
+            tick()
+            for node in sorted(waiting):
+                if self.store.check([node_key(node, name)]):
+                    waiting.discard(node)
+                elif self.silent(node):
+                    waiting.discard(node)
+                    silent.append(node)
+            time.sleep(0.05)
+        return sorted(silent)
+
+    def silent(self, node: int) -> bool:
         """Whether ``node``'s launcher beat has not moved for ``store_timeout`` (on this
         launcher's clock: no clocks compared)."""
         count = int(self.store.add(node_key(node, "beat"), 0))
@@ -526,7 +702,9 @@ class InMemoryCoordinator(LocalCoordinator):
         return now - seen[1] > self.store_timeout
 
     def close(self) -> None:
-        self.store = None  # the server stops with its last reference
+        if isinstance(self.store, _RemoteStore):
+            self.store.close()
+        self.store = None  # node 0: the server stops with its last reference
 
 
 def _text(value: str | bytes) -> str:
@@ -613,7 +791,7 @@ class Fallback:
     unable: Mapping[int, str] = field(default_factory=dict)
     restart: int = 0
     max_restarts: int = 0
-    nodes: int = 1  # the job's: with many, the job ends on every node (no restart)
+    nodes: int = 1  # the job's: with many, every node stops (and restarts) its workers
 
     @property
     def at(self) -> float:
@@ -641,15 +819,14 @@ def fallback_summary(fallback: Fallback) -> str:
         text += f"{cannot} ({why_unable(fallback.unable)}): "
     else:
         text += "no worker is left to go on in memory: "
-    if fallback.nodes > 1:
-        return f"{text}stopping every worker on every node ({NO_RESTART})"
+    every = "every worker on every node" if fallback.nodes > 1 else "every worker"
     if fallback.restart:
         return (
-            f"{text}restarting every worker from the last checkpoint (restart "
+            f"{text}restarting {every} from the last checkpoint (restart "
             f"{fallback.restart} of {fallback.max_restarts}; {FALLS_BACK})"
         )
     return (
-        f"{text}stopping every worker; no restart is left to resume them from the last "
+        f"{text}stopping {every}; no restart is left to resume them from the last "
         f"checkpoint (--max-restarts {fallback.max_restarts}; {FALLS_BACK})"
     )
 
@@ -670,14 +847,13 @@ def fallback_line(fallback: Fallback, started: float) -> str:
         text += f"not recoverable in memory ({why_unable(fallback.unable, ranks=True)}): "
     else:
         text += "no worker left to go on in memory: "
-    if fallback.nodes > 1:
-        return f"{text}the job ended on every node (no restart with many nodes)"
+    every = "every worker on every node" if fallback.nodes > 1 else "every worker"
     if fallback.restart:
         return (
-            f"{text}every worker restarted (restart {fallback.restart} of "
+            f"{text}{every} restarted (restart {fallback.restart} of "
             f"{fallback.max_restarts}) from the last checkpoint"
         )
-    return f"{text}every worker stopped, no restart left (--max-restarts {fallback.max_restarts})"
+    return f"{text}{every} stopped, no restart left (--max-restarts {fallback.max_restarts})"
 
 
 def _lost_ranks(lost: Sequence[Failure]) -> str:
@@ -738,14 +914,14 @@ def recovery_lines(
     lost: Sequence[Failure],
     reports: Iterable[dict[str, Any]],
     started: float,
-    fallback: Fallback | None = None,
+    fallback: Fallback | str | None = None,
     first: int = 1,
 ) -> list[str]:
     """The exit summary's line per recovery: the launcher's record of each lost rank (which
     rank, how it ended, when) joined with the survivors' report naming it (the step lost and
     redone, by whom, how fast); a loss no report names says the survivors did not report a
     recovery; ``fallback``, the loss that ended the attempt by a fall-back to ``restart``
-    (:func:`fallback_line`). In the order they happened, numbered from ``first`` (one call per
+    (:func:`fallback_line`; or its line as another node's launcher made it). In the order they happened, numbered from ``first`` (one call per
     attempt: each attempt's ranks and generations count anew); ``started``: the run's start
     (``time.time()``).
 
@@ -777,7 +953,8 @@ def recovery_lines(
             )
             entries.append((failure.at, len(entries), text))
     if fallback is not None:  # it ended the attempt: nothing after it
-        entries.append((math.inf, len(entries), fallback_line(fallback, started)))
+        text = fallback if isinstance(fallback, str) else fallback_line(fallback, started)
+        entries.append((math.inf, len(entries), text))
     entries.sort(key=lambda e: (e[0], e[1]))
     return [f"recovery {i}: {text}" for i, (_, _, text) in enumerate(entries, first)]
 

@@ -26,9 +26,10 @@ the others go on, and the job ends
 when every worker has exited: successfully if one ran to completion. Unless a worker still
 running did not say it recovers in memory (a sharded Trainer, a plain script): then the job
 falls back to ``restart`` (every worker stopped, and started again with a fresh store while
-``--max-restarts`` allows; with many nodes the job ends on every node instead). Each node's
-launcher watches its own workers; node 0's hosts the store until the others are done, and a
-launcher that loses the store ends. The exit summary lists each recovery and fall-back.
+``--max-restarts`` allows; with many nodes every node's workers, together). Each node's
+launcher watches its own workers and replaces its own lost ones (``--max-restarts`` per node);
+node 0's hosts the store until the others are done, and a launcher that loses the store ends.
+The exit summary lists each recovery and fall-back.
 
 SIGINT, SIGTERM and SIGUSR1 sent to the launcher are passed to every worker.
 
@@ -63,8 +64,11 @@ from tandem.launch.in_memory import (
     RECOVER_VARIABLE,
     Fallback,
     InMemoryCoordinator,
+    JobEnd,
+    fallback_line,
     fallback_summary,
     lost_summary,
+    no_replacement_line,
     recovery_lines,
     recovery_reports,
     unable,
@@ -308,16 +312,21 @@ class Supervisor:
         (``coordinator.able``), or one that leaves no worker running, is a fall-back
         (:meth:`_in_memory_attempt`): said at once, every worker stopped as under ``restart``,
         the usual failure report, and, while ``--max-restarts`` allows, every worker started
-        again (a restart, counted as under ``restart``) with a fresh store. When every worker
-        of the last attempt has exited, the summary lists each recovery and fall-back; the
-        status is 0 if one worker ran to completion, else the first loss's, reported as a
-        failure is under ``restart``.
+        again (a restart, counted as under ``restart``) with a fresh store. With many nodes
+        every node's launcher stops its workers, the nodes meet (``coordinator.settle``: node
+        0 decides), and every node restarts its workers together. When every worker of the last
+        attempt has exited, the summary lists each recovery and fall-back; the status is 0 if
+        one worker ran to completion, else the first loss's, reported as a failure is under
+        ``restart``.
         """
         coordinator = self.coordinator
         assert isinstance(coordinator, InMemoryCoordinator)
-        self.replaced = 0  # replacements started in memory (--max-restarts), over the job
+        self.replaced = 0  # replacements this node started (--max-restarts), over the job
         self.unadmitted: set[int] = set()  # replacements that never joined
-        started = time.time()  # the run's: the summary says when each loss came from it
+        # Node 0: ranks the survivors left out that no launcher marked dead, by their node: if
+        # that node's launcher goes silent, nobody replaces them, and node 0 says so.
+        self.unreplaced: dict[int, int] = {}
+        self.started = time.time()  # the run's: the summary says when each loss came from it
         lines: list[str] = []  # the summary's recoveries, attempt after attempt
         restarts = 0
         attempt = 0
@@ -335,18 +344,34 @@ class Supervisor:
                 self._say_failure(fallback.lost[0], began)
             for w in self.workers:
                 w.drained_tail()
-            # Many nodes: node 0 hosts the store until every other node is done with it.
-            coordinator.finish(0, lambda: self.stop_signal is not None)
+            # Many nodes: the nodes meet once each one's workers have exited; node 0 says
+            # whether every node restarts, and keeps the store until every other node knows.
+            agreed, refused = coordinator.settle(self._tick, lambda: self.stop_signal is not None)
+            if self.stop_signal is not None:
+                return self._stopped(self.stop_signal, ended)
             reports = recovery_reports(self.reports, since=began, run_id=self.spec.run_id)
-            lines += recovery_lines(lost, reports, started, fallback, first=len(lines) + 1)
-            if fallback is not None and fallback.restart:
-                restarts = fallback.restart
+            ending = fallback if fallback is not None else ended_by.line if ended_by else None
+            lines += recovery_lines(lost, reports, started=self.started, fallback=ending,
+                                    first=len(lines) + 1)  # fmt: skip
+            restart = agreed if coordinator.many else fallback.restart if fallback else 0
+            if restart:
+                if ended_by is not None:  # the deciding node said why; this one follows
+                    _say(
+                        f"another node ended the attempt; this node's workers were stopped and "
+                        f"start again (restart {restart} of {self.spec.max_restarts}): "
+                        f"{ended_by.why}"
+                    )
+                restarts = restart
                 attempt += 1
                 continue
             for line in lines:
                 _say(line)
+            if refused:
+                _say(f"no restart: {refused}")
             if ended_by is not None:
-                _say(f"another node ended the job; this node's workers were stopped: {ended_by}")
+                _say(
+                    f"another node ended the job; this node's workers were stopped: {ended_by.why}"
+                )
                 self._say_checkpoint(ended)
                 return 1
             if fallback is not None:
@@ -371,33 +396,50 @@ class Supervisor:
             self._say_checkpoint(ended)
             return failure.exit_code()
 
+    def _tick(self) -> None:
+        """Many nodes, while this launcher waits: beat, and (node 0) say of each rank left out
+        whose node's launcher went silent that nobody replaces it."""
+        coordinator = self.coordinator
+        assert isinstance(coordinator, InMemoryCoordinator)
+        coordinator.beat()
+        for rank, node in list(self.unreplaced.items()):
+            if coordinator.dead([rank]):  # its launcher is there, and deals with it
+                del self.unreplaced[rank]
+            elif coordinator.silent(node):
+                del self.unreplaced[rank]
+                _say(no_replacement_line(rank, node, coordinator.store_timeout))
+
     def _in_memory_attempt(
         self, coordinator: InMemoryCoordinator, restarts: int
-    ) -> tuple[list[Failure], Fallback | None, str | None]:
+    ) -> tuple[list[Failure], Fallback | None, JobEnd | None]:
         """Watch one attempt's workers until every one has exited, a signal, or a fall-back to
         ``restart`` (the workers then still running are left to the caller to stop). The
-        workers lost while the others went on, the fall-back if one came, and (many nodes) why
-        another node ended the job, if it did.
+        workers lost while the others went on, the fall-back if one came, and (many nodes) the
+        end another node's launcher gave the attempt, if it did.
 
         With many nodes every launcher watches its own workers: it marks its own lost ones dead
-        in node 0's store and fences its own that the survivors left out; a loss that cannot be
-        recovered in memory ends the job on every node (:meth:`InMemoryCoordinator.end_job`),
-        with no restart. A store that cannot be reached (node 0 down, or this node cut off) is
-        a LaunchError that ends this launcher (its workers are killed on the way out)."""
+        in node 0's store, fences its own that the survivors left out, and replaces its own
+        (with a launch rank from the job's counter); who goes on is every member of the job's
+        latest generation not known dead. A loss that cannot be recovered in memory ends the
+        attempt on every node (:meth:`InMemoryCoordinator.end_job`), asking for a restart while
+        ``--max-restarts`` allows. A store that cannot be reached (node 0 down, or this node
+        cut off) is a LaunchError that ends this launcher (its workers are killed on the way
+        out)."""
         running = list(self.workers)
         lost: list[Failure] = []
         completed = 0
         generation = 1
+        self.unreplaced = {}  # this attempt's: its store's ranks
         fenced: set[int] = set()
-        # The members of the latest generation: a replacement not yet admitted is not one.
-        members = {w.rank for w in self.workers}
-        waiting: set[int] = set()  # replacements started, not admitted yet
-        dismissed: set[int] = set()  # ... and stopped, the job having ended first
         many = coordinator.many
-        everyone = range(self.spec.world_size)
+        # The members of the job's latest generation (launch ranks, every node's): a
+        # replacement not yet admitted is not one.
+        members = set(range(self.spec.world_size))
+        waiting: set[int] = set()  # replacements started here, not admitted yet
+        dismissed: set[int] = set()  # ... and stopped, the job having ended first
         while running and self.stop_signal is None:
             if many:
-                coordinator.beat()
+                self._tick()
                 said = coordinator.ended()
                 if said is not None:
                     return lost, None, said
@@ -416,9 +458,17 @@ class Supervisor:
                         )
                         fenced.add(worker.rank)
                         worker.signal(signal.SIGKILL)
+                if many and self.spec.node_rank == 0 and self.spec.max_restarts:
+                    for rank in members - set(decided):
+                        node = coordinator.node_of(rank, self.spec.nproc_per_node)
+                        if node not in (None, 0) and not coordinator.dead([rank]):
+                            self.unreplaced[rank] = node
                 members = set(decided)
                 generation += 1
-            if waiting - dismissed and all(w.rank in waiting for w in running):
+            only_waiting = all(w.rank in waiting for w in running)
+            if many:
+                coordinator.idle(only_waiting)
+            if waiting - dismissed and only_waiting and self._nobody_admits(generation):
                 for worker in running:  # the members are done: nobody is left to admit them
                     _say(f"replacement rank {worker.rank} was not admitted: the job ended first")
                     worker.signal(signal.SIGKILL)
@@ -444,21 +494,20 @@ class Supervisor:
                 )
                 failed.append((worker, failure))
             if failed:
-                # Who goes on must have said it recovers in memory; with nobody left, a
-                # restart (while any is left) is what --recover restart would do. With many
-                # nodes, who goes on is every rank of the job not known dead, and nobody
-                # left here is no reason to stop the others.
-                members_left: list[int] = []
+                # Who goes on must have said it recovers in memory: with one node, its workers
+                # still running (a replacement not admitted yet is no member to go on); with
+                # many, every member of the job not known dead. With nobody left, a restart
+                # (while any is left) is what --recover restart would do.
                 if many:
                     gone = {f.rank for f in lost} | {f.rank for _, f in failed}
-                    gone |= coordinator.dead(r for r in everyone if r not in gone)
-                    why = unable(coordinator.able(r for r in everyone if r not in gone))
-                else:  # a replacement not admitted yet is no member to go on
+                    gone |= coordinator.dead(r for r in members if r not in gone)
+                    members_left = sorted(r for r in members if r not in gone)
+                else:
                     members_left = [w.rank for w in running if w.rank not in waiting]
-                    why = unable(coordinator.able(members_left)) if members_left else {}
-                nobody = not many and not members_left and not completed
+                why = unable(coordinator.able(members_left)) if members_left else {}
+                nobody = not members_left and not completed
                 if why or (nobody and restarts < self.spec.max_restarts):
-                    left = restarts < self.spec.max_restarts and not many
+                    left = restarts < self.spec.max_restarts
                     for worker, _ in failed:
                         worker.signal(signal.SIGKILL)  # its children, in its process group
                     fallback = Fallback(
@@ -469,8 +518,15 @@ class Supervisor:
                         nodes=self.spec.nnodes,
                     )
                     summary = fallback_summary(fallback)
-                    if many:  # every other node stops its workers too
-                        coordinator.end_job(summary.removeprefix("tandem run: "))
+                    if many:  # every other node stops its workers too; the first end stands
+                        mine = JobEnd(
+                            summary.removeprefix("tandem run: "),
+                            fallback_line(fallback, self.started),
+                            fallback.restart,
+                        )
+                        first = coordinator.end_job(mine)
+                        if first != mine:  # another node's came first: this one follows it
+                            return [*lost, *fallback.lost], None, first
                     _say(summary)
                     return lost, fallback, None
                 for worker, failure in failed:
@@ -479,26 +535,38 @@ class Supervisor:
                 for worker, failure in failed:
                     failure = dataclasses.replace(failure, tail=worker.drained_tail())
                     lost.append(failure)
-                    _say(lost_summary(failure, len(members_left) if not many else len(running)))
+                    _say(lost_summary(failure, len(members_left)))
                     if (
-                        not many
-                        and members_left
+                        members_left
                         and self.replaced < self.spec.max_restarts
                         and coordinator.admits(members_left)
                     ):
                         self.replaced += 1
-                        new = self._replacement(worker, self.spec.world_size + self.replaced - 1)
+                        rank = coordinator.launch_rank(self.spec.world_size)
+                        new = self._replacement(worker, rank)
                         self.workers.append(new)
                         running.append(new)
                         waiting.add(new.rank)
+                        here = f" on node {self.spec.node_rank}" if many else ""
                         _say(
                             f"starting rank {new.rank} to replace rank {worker.rank} "
-                            f"(replacement {self.replaced} of {self.spec.max_restarts}): the "
-                            "others admit it at their next step"
+                            f"(replacement {self.replaced} of {self.spec.max_restarts}{here}): "
+                            "the others admit it at their next step"
                         )
             if running:
                 time.sleep(0.02)
         return lost, None, None
+
+    def _nobody_admits(self, generation: int) -> bool:
+        """Whether no member of the job runs any more, so that a replacement waiting here will
+        never be admitted: with many nodes, every other node is idle (or done, or silent) and
+        no generation was decided since (one admitting the replacement is decided before its
+        members' node goes idle)."""
+        coordinator = self.coordinator
+        assert isinstance(coordinator, InMemoryCoordinator)
+        if not coordinator.many:
+            return True
+        return coordinator.others_idle() and coordinator.members(generation) is None
 
     def _replacement(self, lost: Worker, rank: int) -> Worker:
         """A worker in ``lost``'s place (its local rank, so its device) with launch rank
