@@ -25,6 +25,13 @@ TORCHRUN_VARIABLES = (
 LAUNCHER_PREFIXES = ("SLURM_", "OMPI_", "PMI_")
 
 
+def python_path() -> str:
+    """The PYTHONPATH of a process a test starts: this tree's ``src`` first, then its root (for
+    the ``tests`` package). ``src`` comes first so that a test run from a second checkout (a git
+    worktree) runs that checkout's tandem, not the one installed in editable mode from another."""
+    return os.pathsep.join([str(ROOT / "src"), str(ROOT)])
+
+
 def clean_env() -> dict[str, str]:
     """os.environ without any launcher's variables, on the CPU."""
     env = {
@@ -66,7 +73,7 @@ def run_job(
     result = subprocess.run(
         [sys.executable, "-m", "tandem.cli", "run", "--nproc-per-node", str(nproc), *flags,
          "-m", module, *args],
-        env={**clean_env(), "PYTHONPATH": str(ROOT)},
+        env={**clean_env(), "PYTHONPATH": python_path()},
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -42,10 +42,10 @@ import pytest
 
 from tests.launch.netns import Node, can_make_namespaces, two_nodes
 from tests.launch.sshd import Servers, leftovers, ssh_servers, sshd_missing
+from tests.launching import python_path
 
 pytestmark = pytest.mark.launch
 
-REPO = Path(__file__).resolve().parents[2]
 TRAIN = Path(__file__).with_name("train_nodes.py")
 # An address on the nodes' subnet with no machine behind it: ARP gets no answer.
 NOBODY = "10.77.0.3"
@@ -93,7 +93,7 @@ class Cluster:
                 env={
                     **os.environ,
                     "TANDEM_SSH": f"ssh -F {self.servers.config}",
-                    "PYTHONPATH": str(REPO),
+                    "PYTHONPATH": python_path(),
                     **(env or {}),
                 },
                 start_new_session=True,

@@ -46,7 +46,7 @@ import torch
 
 from tests.launch.netns_switch import Switch, can_make_switch, switch
 from tests.launch.test_recover_fallback import assert_bitwise
-from tests.launching import clean_env, final_checkpoint, run_job
+from tests.launching import clean_env, final_checkpoint, python_path, run_job
 from tests.recovery.test_recovery import assert_equal_runs, leftovers
 
 pytestmark = [pytest.mark.launch, pytest.mark.xdist_group("recovery")]
@@ -81,7 +81,7 @@ class Job:
         for rank, (node, log) in enumerate(zip(net.nodes, self.logs, strict=True)):
             environ = {
                 **clean_env(),
-                "PYTHONPATH": str(ROOT),
+                "PYTHONPATH": python_path(),
                 "OMP_NUM_THREADS": "1",
                 **(env or {}),
             }

@@ -40,7 +40,7 @@ import pytest
 import torch
 
 from tests.launch.netns_switch import Switch, can_make_switch, switch
-from tests.launching import clean_env
+from tests.launching import clean_env, python_path
 from tests.recovery.test_recovery import assert_equal_runs, leftovers, resumed
 
 pytestmark = [pytest.mark.launch, pytest.mark.xdist_group("recovery")]
@@ -76,7 +76,7 @@ class Job:
         self.logs = [out.with_name(f"node{i}.log") for i in range(len(net.nodes))]
         self.procs: list[subprocess.Popen] = []
         for rank, (node, log) in enumerate(zip(net.nodes, self.logs, strict=True)):
-            env = {**clean_env(), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+            env = {**clean_env(), "PYTHONPATH": python_path(), "OMP_NUM_THREADS": "1"}
             # The namespaces share the host's name, which may resolve to an address the other
             # nodes cannot reach: Gloo uses the node's interface instead.
             env["GLOO_SOCKET_IFNAME"] = node.interface
