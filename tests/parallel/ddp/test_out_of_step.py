@@ -3,11 +3,17 @@
 Each model gets the next index (the same on every rank, since every rank builds its models in
 the same order), and a model that is gone is forgotten: a process that builds many models (a
 sweep, a test suite) neither grows the record nor reports the steps of dead models to its peers.
+
+A collective that completes just as a slice of its wait runs out is a success, not a failure;
+one that completed with an error is raised, named as it failed.
 """
 
 from __future__ import annotations
 
 import gc
+from datetime import timedelta
+
+import pytest
 
 from tandem.parallel.ddp import out_of_step
 
@@ -22,3 +28,42 @@ def test_models_are_numbered_in_build_order_and_forgotten_when_gone():
     gc.collect()
     assert index not in out_of_step._models
     assert out_of_step._models[second.index] is second
+
+
+class _Work:
+    """A collective's work as Gloo's behaves: a wait with a timeout that runs out raises, and
+    the work may complete meanwhile; a wait on a complete work returns, or raises its error."""
+
+    def __init__(self, completes_during_slice: bool, error: str | None = None) -> None:
+        self.completes_during_slice = completes_during_slice
+        self.error = error
+        self.done = False
+        self.waits: list[timedelta | None] = []
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        self.waits.append(timeout)
+        if self.done:
+            if self.error is not None:
+                raise RuntimeError(self.error)
+            return True
+        self.done = self.completes_during_slice
+        raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc] Timed out")
+
+    def is_completed(self) -> bool:
+        return self.done
+
+
+def test_a_collective_that_completes_as_its_slice_runs_out_is_not_a_failure():
+    progress = out_of_step.track(None)
+    work = _Work(completes_during_slice=True)
+    out_of_step._wait(work, progress, "all_reduce of bucket 0")  # returns: no error
+    assert work.waits == [out_of_step._SLICE, None]
+
+
+def test_a_collective_that_completed_with_an_error_is_raised(monkeypatch):
+    progress = out_of_step.track(None)
+    monkeypatch.setattr(out_of_step, "survey_lost_peers", False)
+    work = _Work(completes_during_slice=True, error="Connection closed by peer [10.0.0.2]:1234")
+    with pytest.raises(RuntimeError, match="Timed out"):
+        out_of_step._wait(work, progress, "all_reduce of bucket 0")
+    assert work.waits == [out_of_step._SLICE, None]

@@ -107,6 +107,8 @@ def _wait(work: dist.Work, progress: ModelSteps, what: str) -> None:
         return
     except RuntimeError as e:
         mismatch.raise_if_failed()  # the doctor found that the ranks' collectives differ
+        if _finished(work):  # it completed as the slice ran out
+            return
         if _failed(work):  # a peer closed its connection: say which rank left
             _raise_if_out_of_step(progress, what, e)
             raise
@@ -120,6 +122,8 @@ def _wait(work: dist.Work, progress: ModelSteps, what: str) -> None:
                 return
             except RuntimeError as e:
                 mismatch.raise_if_failed()
+                if _finished(work):
+                    return
                 if _failed(work):
                     _raise_if_out_of_step(progress, what, e)
                     raise
@@ -133,6 +137,21 @@ def _failed(work: dist.Work) -> bool:
     # A slice that timed out leaves the work incomplete; a failed one is complete (its error
     # may say "timed out" too: the collective's own timeout).
     return work.is_completed()
+
+
+def _finished(work: dist.Work) -> bool:
+    """Whether ``work``, whose sliced wait just raised, has in fact completed without error:
+    the slice can run out a moment before the collective completes, and the work is then
+    complete by the time its wait has raised (seen on a loaded machine: a step's all-reduce
+    reported as failed with "Operation timed out!"). Waiting again on a complete work returns
+    at once, or raises its own error if it failed."""
+    if not work.is_completed():
+        return False
+    try:
+        work.wait()
+    except RuntimeError:
+        return False
+    return True
 
 
 #: Whether a collective that failed because a peer left asks the others where they are
