@@ -21,15 +21,20 @@ issue's target: <= 0.15) and async / dcp async, each writer's throughput (checkp
 second of its write) against dd's, and the staging memory each rank holds.
 
 Then, with ``--step-model``: the step time of tandem.DDP training that model (batch 1 per
-rank, SGD) while a write runs beside it, in rounds of four phases (order alternating): no
-write; tandem's background write (a thread of the training process, in the idle scheduling
-class: ``tandem.checkpoint.async_save.yield_cpu``); the same write with the thread left at the
-training's priority (``WRITER.idle = False``, what tandem did before); the same bytes written,
-fsynced and hashed by another process at the training's priority (no GIL shared with the
-training). The steps that began before the write finished are the ones counted, and each
-write's length (call to commit, rank 0) is kept: yielding the CPU makes the steps faster and
-the write longer. Thread against process is the GIL's share; process against none is what the
-disk and the CPUs the write takes cost at equal priority.
+rank, SGD) while a write runs beside it, in rounds of phases run back to back (order
+alternating; ``--phases`` picks them): no write; tandem's background write (a thread of the
+training process, in the idle scheduling class: ``tandem.checkpoint.async_save.yield_cpu``,
+each file hashed as it is written: ``tandem.files.write_temp_digested``); and that write with
+one thing changed: ``thread, paced`` at most ``--pace`` MB/s (``WRITER.bytes_per_s``);
+``thread, read back`` each file read back after its fsync to hash it (the write before it
+hashed as it wrote); ``thread, no crc`` without torch's zip crc32 (a global torch setting);
+``thread, no yield`` at the training's priority (``WRITER.idle = False``); ``process``: the
+same bytes written, fsynced and hashed by another process at the training's priority (no GIL
+shared with the training). The steps that began before the write finished are the ones
+counted, each with its wall-clock time and the CPU time of the thread that ran it (what the
+write's memory traffic costs the step's own work, which other programs' load does not
+inflate), and each write's length (call to commit, rank 0) is kept, with each round's load
+average: the machine is shared, so a round's phases are compared with each other only.
 
 Run::
 
@@ -41,6 +46,7 @@ Run::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -52,6 +58,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +71,8 @@ from torch import nn
 import tandem
 import tandem.checkpoint
 from elastic_reform import free_port  # a script beside this one
+from tandem import files
+from tandem.checkpoint import run_dir, shards
 from tandem.checkpoint.async_save import WRITER
 
 HERE = Path(__file__).resolve().parent
@@ -71,7 +80,10 @@ DEFAULT_JSON = HERE.parent / "docs" / "performance" / "checkpoint-cpu.json"
 WIDTH = 5000
 MODELS = {"tiny": (64, 2), "100M": (WIDTH, 4), "400M": (WIDTH, 16)}  # (width, layers)
 ARMS = ("sync", "async", "dcp async", "dd")
-PHASES = ("none", "thread", "thread, no yield", "process")
+PHASES = (
+    "none", "thread", "thread, paced", "thread, read back", "thread, no crc", "thread, no yield",
+    "process",
+)  # fmt: skip
 
 # The other process of the "process" phase: the same bytes, written as tandem writes them.
 WRITER_SCRIPT = """
@@ -193,6 +205,36 @@ def _blocked(name: str, args: argparse.Namespace, rank: int) -> dict[str, Any]:
     }
 
 
+def _read_back(directory: Path, name: str, write: Any, algorithm: str = "sha256") -> Any:
+    """The write before it hashed as it wrote: the file written, then read back to hash it."""
+    tmp = files.write_temp(directory, name, write)
+    return tmp, files.file_digest(tmp, algorithm)
+
+
+@contextlib.contextmanager
+def _variant(phase: str, pace: float | None) -> Iterator[None]:
+    """The writer as ``phase`` writes: ``thread`` is tandem's (idle class, hashed as written,
+    not paced); each other thread phase changes one thing of it (``thread, paced``: at most
+    ``pace`` bytes/s)."""
+    WRITER.idle = phase != "thread, no yield"
+    WRITER.bytes_per_s = pace if phase == "thread, paced" else None
+    undo: list[tuple[Any, str, Any]] = []
+    if phase == "thread, read back":
+        for module in (run_dir, shards):
+            undo.append((module, "write_temp_digested", module.write_temp_digested))
+            module.write_temp_digested = _read_back  # type: ignore[attr-defined]
+    crc = torch.serialization.get_crc32_options()
+    if phase == "thread, no crc":  # torch's zip records without their crc32 (a pass fewer)
+        torch.serialization.set_crc32_options(False)
+    try:
+        yield
+    finally:
+        WRITER.idle, WRITER.bytes_per_s = True, None
+        torch.serialization.set_crc32_options(crc)
+        for module, attribute, value in undo:
+            setattr(module, attribute, value)
+
+
 def _steps(name: str, args: argparse.Namespace, rank: int) -> dict[str, Any]:
     """Step times of tandem.DDP with no write, a background write (yielding the CPU, and not),
     another process's write; and each write's length."""
@@ -212,13 +254,15 @@ def _steps(name: str, args: argparse.Namespace, rank: int) -> dict[str, Any]:
         )  # fmt: skip
         assert other.stdout is not None and other.stdout.readline().strip() == "ready"
 
-    def step() -> float:
-        begun = time.perf_counter()
+    def step() -> tuple[float, float]:
+        """The step's wall-clock seconds, and the CPU seconds of the thread that ran it."""
+        begun, cpu = time.perf_counter(), time.thread_time()
         model(x).square().mean().backward()
         opt.step()
         opt.zero_grad()
-        return time.perf_counter() - begun
+        return time.perf_counter() - begun, time.thread_time() - cpu
 
+    pace = args.pace * 1e6
     for _ in range(2):
         step()  # warm-up: DDP's bucket rebuild
     tandem.checkpoint.save(state, folder / "warm.pt", async_=True).wait()  # staging allocated
@@ -226,16 +270,19 @@ def _steps(name: str, args: argparse.Namespace, rank: int) -> dict[str, Any]:
     times: dict[str, list[float]] = {p: [] for p in phases}
     writes: dict[str, list[float]] = {p: [] for p in phases if p != "none"}
     rounds: list[dict[str, float]] = []  # each round's median step per phase
+    rounds_cpu: list[dict[str, float]] = []  # the same, of the steps' CPU seconds
+    loads: list[float] = []  # the load average (1 minute) at each round's end
     for round_ in range(args.rounds):
         steps: dict[str, list[float]] = {p: [] for p in phases}
+        cpus: dict[str, list[float]] = {p: [] for p in phases}
         order = phases if round_ % 2 == 0 else phases[::-1]
         for phase in order:
             dist.barrier()
             writing: Any = None
+            variant = _variant(phase, pace)
+            variant.__enter__()
             if phase.startswith("thread"):
-                WRITER.idle = phase == "thread"
                 writing = tandem.checkpoint.save(state, folder / "bg.pt", async_=True)
-                WRITER.idle = True
             elif phase == "process" and other is not None:
                 assert other.stdin is not None
                 other.stdin.write("go\n")
@@ -243,13 +290,15 @@ def _steps(name: str, args: argparse.Namespace, rank: int) -> dict[str, Any]:
             finished = _finished(phase, writing, other)
             for _ in range(args.steps):
                 busy = not finished()
-                seconds = step()
+                seconds, cpu = step()
                 # Only the steps that began while the write ran (all of them with no write).
                 counted = _slowest(seconds if (busy or phase == "none") else -1.0)
                 if counted >= 0:
                     steps[phase].append(counted)
+                    cpus[phase].append(_slowest(cpu))
             if writing is not None:
                 writing.wait()
+            variant.__exit__(None, None, None)
             while not finished():  # every rank: rank 0 says when the other process is done
                 time.sleep(0.01)
             if phase != "none" and rank == 0:
@@ -257,6 +306,8 @@ def _steps(name: str, args: argparse.Namespace, rank: int) -> dict[str, Any]:
         for phase, taken in steps.items():
             times[phase] += taken
         rounds.append({p: statistics.median(t) for p, t in steps.items() if t})
+        rounds_cpu.append({p: statistics.median(t) for p, t in cpus.items() if t})
+        loads.append(os.getloadavg()[0])
     if other is not None:
         assert other.stdin is not None
         other.stdin.close()
@@ -265,19 +316,29 @@ def _steps(name: str, args: argparse.Namespace, rank: int) -> dict[str, Any]:
         shutil.rmtree(folder)
     median = {p: statistics.median(times[p]) if times[p] else None for p in phases}
     pairs = [(a, "none") for a in phases if a != "none"]
-    pairs += [("thread", "process"), ("thread", "thread, no yield")]
-    paired = {  # the median of the rounds' ratios: a round's phases ran back to back
-        f"{a}/{b}": statistics.median(r[a] / r[b] for r in rounds if a in r and b in r)
-        for a, b in pairs
-        if any(a in r and b in r for r in rounds)
-    }
+    pairs += [("thread", p) for p in phases if p.startswith(("thread, ", "process"))]
+
+    def paired(rounds: list[dict[str, float]]) -> dict[str, float]:
+        """The median of the rounds' ratios: a round's phases ran back to back."""
+        return {
+            f"{a}/{b}": statistics.median(r[a] / r[b] for r in rounds if a in r and b in r)
+            for a, b in pairs
+            if any(a in r and b in r for r in rounds)
+        }
+
     numbers = {p: len(times[p]) for p in phases}
     write_s = {p: statistics.median(w) if w else None for p, w in writes.items()}
     return {
         "steps_counted": numbers,
         "step_s": median,
-        "ratios": paired,
+        "ratios": paired(rounds),
         "rounds": rounds,
+        # The training thread's CPU time per step: what the write's memory traffic costs the
+        # step, without the time other programs' threads took the core (a busy machine).
+        "cpu_ratios": paired(rounds_cpu),
+        "rounds_cpu": rounds_cpu,
+        "load_average_per_round": loads,
+        "pace_MB_per_s": args.pace,
         "write_s": write_s,
         "trials_write_s": writes,
     }
@@ -327,6 +388,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--step-model", default="100M", help="'' for no step-time phases")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of the step phases")
     parser.add_argument("--steps", type=int, default=4, help="steps per phase")
+    parser.add_argument(
+        "--pace", type=float, default=100, help="the bound of the 'thread, paced' phase, MB/s"
+    )
     parser.add_argument(
         "--phases", nargs="+", default=list(PHASES), choices=PHASES, help="step phases to run"
     )
@@ -388,23 +452,26 @@ def main(argv: list[str] | None = None) -> dict:
         if "steps" not in r:
             continue
         s, n, ratios = r["steps"]["step_s"], r["steps"]["steps_counted"], r["steps"]["ratios"]
-        w = r["steps"]["write_s"]
+        w, cpu = r["steps"]["write_s"], r["steps"]["cpu_ratios"]
+        loads = r["steps"]["load_average_per_round"]
         print(f"\nStep time of tandem.DDP on {name} while a checkpoint is written")
-        print("(median s (steps counted); ratios: the median over rounds of each round's ratio)")
-        print("| phase | step s | step / no write | write s (call to commit) |")
-        print("|---|---:|---:|---:|")
+        print("(median s (steps counted); ratios: the median over rounds of each round's ratio;")
+        print(f" load average over the rounds {min(loads):.1f} to {max(loads):.1f})")
+        print("| phase | step s | step / no write | step CPU / no write | write s |")
+        print("|---|---:|---:|---:|---:|")
         for phase in s:
-            ratio = ratios.get(f"{phase}/none")
+            ratio, cpu_ratio = ratios.get(f"{phase}/none"), cpu.get(f"{phase}/none")
             cells = [
                 phase,
                 f"{s[phase]:.3f} ({n[phase]})" if s[phase] is not None else "-",
                 f"{ratio:.3f}" if ratio is not None else "-",
+                f"{cpu_ratio:.3f}" if cpu_ratio is not None else "-",
                 f"{w[phase]:.2f}" if w.get(phase) is not None else "-",
             ]
             print(f"| {' | '.join(cells)} |")
-        for pair in ("thread/thread, no yield", "thread/process"):
-            if pair in ratios:
-                print(f"{pair}: {ratios[pair]:.3f}")
+        for pair, ratio in ratios.items():
+            if pair.startswith("thread/"):
+                print(f"{pair}: {ratio:.3f}")
     print(f"JSON: {args.json}")
     return result
 

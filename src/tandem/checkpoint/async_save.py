@@ -37,10 +37,18 @@ their shapes and dtypes stay the same (no allocation per save). That is the whol
 (model and optimizer) on rank 0 in the full kind, and on every rank its shard file's part in the
 sharded kind, plus the per-rank states (RNG). Tensors on a GPU are copied into pinned memory.
 
+The write makes one pass over the staged bytes: each file of the tandem format is hashed as it
+is written, chunk by chunk (``tandem.files.write_temp_digested``), rather than read back
+afterwards to hash it, a second pass over memory, which the idle class does not keep from the
+training: the cores share the memory bus. ``WRITER.bytes_per_s`` (None by default) bounds the
+background write's rate as well: its chunks then come with pauses between them, so that it
+takes longer and leaves the memory bus to the training in between.
+
 A process killed at any moment of the background write (one rank, or the whole job) leaves what
-a synchronous save killed there leaves: each rank's files are fsynced and hashed as read back
-before it reports, rank 0 commits only once every rank reported, and ``latest`` moves last; a
-checkpoint whose save did not finish never loads as complete.
+a synchronous save killed there leaves: each rank's files are fsynced, with their sha256 taken
+of the bytes as they were written, before it reports, rank 0 commits only once every rank
+reported, and ``latest`` moves last; a checkpoint whose save did not finish never loads as
+complete.
 
 Example::
 
@@ -74,6 +82,7 @@ from tandem import _dist
 from tandem._dist import gather_objects
 from tandem.checkpoint.phases import ERRORS, Collected, kind_of
 from tandem.doctor import records
+from tandem.files import paced
 
 log = logging.getLogger(__name__)
 
@@ -296,7 +305,13 @@ class AsyncSave:
             raise self._error
         return self.path
 
-    def _write(self, write: Callable[[Any, Meeting], Path], staged: Any, idle: bool) -> None:
+    def _write(
+        self,
+        write: Callable[[Any, Meeting], Path],
+        staged: Any,
+        idle: bool,
+        bytes_per_s: float | None,
+    ) -> None:
         begun = time.monotonic()
         try:
             if idle:
@@ -304,7 +319,8 @@ class AsyncSave:
                 # ranks fill, a writer at their priority slowed each step by 14-16%): it runs
                 # in their gaps instead. Its own thread, so the training's keeps its class.
                 log.debug("checkpoint writer for %s: %s", self.path, yield_cpu())
-            write(staged, self._meeting)
+            with paced(bytes_per_s):
+                write(staged, self._meeting)
         except Exception as e:
             self._error = _not_committed(self.path, e)
         finally:
@@ -338,6 +354,8 @@ class Writer:
         # Whether the writer thread yields the CPU (yield_cpu); False writes at the caller's
         # priority, as benchmarks/checkpoint.py does to measure what yielding buys.
         self.idle = True
+        # The bound on the background write's rate (bytes/s; None: none): see the module doc.
+        self.bytes_per_s: float | None = None
         self._group: dist.ProcessGroup | None = None
         self._for: Any = None  # the default group the writers' group was made in
 
@@ -380,7 +398,10 @@ class Writer:
         handle.blocked_s = time.monotonic() - started
         self.in_flight = handle
         thread = threading.Thread(
-            target=handle._write, args=(write, staged, self.idle), name=THREAD_NAME, daemon=True
+            target=handle._write,
+            args=(write, staged, self.idle, self.bytes_per_s),
+            name=THREAD_NAME,
+            daemon=True,
         )
         handle._thread = thread
         thread.start()

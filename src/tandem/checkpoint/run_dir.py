@@ -41,6 +41,7 @@ from tandem.files import (
     unlink_quietly,
     write_atomic,
     write_temp,
+    write_temp_digested,
 )
 
 FORMAT_VERSION: int = 1
@@ -139,10 +140,12 @@ def write_committed(payload: dict[str, Any], path: Path) -> str:
         digest = write_committed({"format": "tandem.checkpoint/1", ...}, Path("ckpt/a.pt"))
     """
     sidecar = sidecar_of(path)
-    tmp = write_temp(path.parent, path.name, lambda f: torch.save(payload, f))
+    # Hashed as written (one pass over the bytes), not read back after the fsync: that read
+    # came from the page cache, the same memory the write had just filled, so it checked
+    # nothing the write's own bytes do not; the disk's copy is what load verifies.
+    tmp, digest = write_temp_digested(path.parent, path.name, lambda f: torch.save(payload, f))
     try:
         check_loadable(tmp, path)
-        digest = file_digest(tmp, "sha256")
         unlink_quietly(sidecar)
     except BaseException:
         unlink_quietly(tmp)

@@ -32,7 +32,13 @@ from typing import Any
 import torch
 
 from tandem.checkpoint.run_dir import CheckpointError
-from tandem.files import file_digest, fsync_dir, rename_into_place, unlink_quietly, write_temp
+from tandem.files import (
+    file_digest,
+    fsync_dir,
+    rename_into_place,
+    unlink_quietly,
+    write_temp_digested,
+)
 
 SHARDS_DIR = "shards"
 
@@ -51,9 +57,9 @@ def write_shard(state: dict[str, Any], ckpt_dir: Path, checkpoint: str, rank: in
     path = shard_path(ckpt_dir, checkpoint, rank)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = write_temp(path.parent, path.name, lambda f: torch.save(state, f))
+        # Hashed as written, as a checkpoint file is (run_dir.write_committed says why).
+        tmp, digest = write_temp_digested(path.parent, path.name, lambda f: torch.save(state, f))
         try:
-            digest = file_digest(tmp, "sha256")
             rename_into_place(tmp, path)
         except BaseException:
             unlink_quietly(tmp)
