@@ -23,9 +23,10 @@ Run::
 (``tandem.doctor.records``) switched off during its rounds, and prints recorded/unrecorded.
 
 ``--recovery-overhead`` adds tandem.DDP with what ``--recover in-memory`` costs a Trainer while
-nothing fails: every step commits through the job's store (this rank's generators and loss sums
-as its key's value, :class:`tandem.recovery.Membership`'s commit) and a heartbeat thread beats,
-and prints committed/plain.
+nothing fails: every step commits (:meth:`tandem.recovery.Recoverer.commit`, its vote riding in
+the gradient all-reduce: this rank's generators, when they changed, and its loss sums left in
+the job's store right before the last bucket) and a heartbeat thread beats, and prints
+committed/plain.
 """
 
 from __future__ import annotations
@@ -119,27 +120,41 @@ def _wrap(engine: str, model: nn.Module, device: torch.device) -> nn.Module:
 
 
 class _Commit:
-    """A Trainer's commit under ``--recover in-memory``, on its own, with the heartbeat."""
+    """A Trainer's commit under ``--recover in-memory``, on its own, with the heartbeat, through
+    the real :class:`tandem.recovery.Recoverer`: what :class:`tandem.train.in_memory.InMemory`
+    does. The vote rides in the model's gradient all-reduce (:meth:`Recoverer.attach`); right
+    before the last bucket, this rank's generators (taken anew only when they moved) and loss
+    sums (new every step) go to the job's store; the commit after the backward then only checks
+    that the vote passed."""
 
-    def __init__(self, rank: int, world: int) -> None:
-        from tandem.recovery import Membership, _Heartbeat, _job_store
+    def __init__(self, rank: int, world: int, model: nn.Module) -> None:
+        from tandem.recovery import MODE_VARIABLE, Recoverer, RngText
 
-        self.members = Membership(_job_store(), rank, list(range(world)), heartbeat_timeout=10)
-        self.heartbeat = _Heartbeat(self.members)
-        self.heartbeat.start()
+        os.environ[MODE_VARIABLE] = "in-memory"  # the Recoverer is active only under it
+        self.recoverer = Recoverer(heartbeat_timeout=10)
+        self.rng = RngText()
         self.step = 0
+        self.recoverer.attach(model, self.own)
+        self.recoverer.commit(-1, self.own())  # the start (a vote of its own, as a Trainer's)
+
+    def own(self) -> str:
+        from tandem.train.in_memory import _own_text
+
+        state = {  # what a Trainer's rank state holds (tandem.train.step_log.SavedRun)
+            "rng": {},
+            "epoch_loss": [0.5 * self.step, 8 * self.step],
+            "window": {"sums": [0.25 * self.step, 8, 0, 0]},
+        }
+        return _own_text(self.rng.value(), state)
 
     def __call__(self) -> None:
-        from tandem.checkpoint.rng import compact_rng_state
-        from tandem.recovery import encode
-
-        value = {  # what a Trainer's commit carries (tandem.train.in_memory)
-            "rng": compact_rng_state(),
-            "epoch_loss": [0.5, 8],
-            "window": {"sums": [0.5, 8, 0, 0]},
-        }
-        self.members.wait_commit(self.step, encode(value))
+        # As InMemory.commit after a backward that carried the vote: the state is not taken
+        # again (the function is called only for a step whose vote rode in no backward).
+        self.recoverer.commit(self.step, self.own)
         self.step += 1
+
+    def close(self) -> None:
+        self.recoverer.close()
 
 
 def _round(model, opt, batches, device) -> float:
@@ -219,7 +234,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
             torch.manual_seed(0)
             model = _wrap(engine, factory().to(device), device)
             if engine == COMMITTED:
-                COMMITS[id(model)] = _Commit(rank, world)
+                COMMITS[id(model)] = _Commit(rank, world, model)
             opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
             _round(model, opt, batches[: args.warmup], device)  # warm-up and bucket rebuild
             engines[engine] = (model, opt)
@@ -262,8 +277,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
     if rank == 0:
         Path(out).write_text(json.dumps(report))
     for commit in COMMITS.values():
-        commit.heartbeat.stopped.set()
-        commit.heartbeat.join()
+        commit.close()
     dist.barrier()  # Gloo may abort a rank whose peer tears down mid-operation
     dist.destroy_process_group()
 

@@ -3,6 +3,7 @@
     python -m tests.recovery.recovery_worker OUT [--kill RANK:STEP:WHERE ...] [--stop-after K]
                                                  [--resume FILE] [--epochs E]
                                                  [--bucket-cap-mb MB] [--step-sleep S]
+                                                 [--no-backward STEP ...]
 
 ``--kill`` (repeatable: several ranks may be lost) makes launch rank RANK lose itself at step
 STEP, WHERE =
@@ -11,12 +12,25 @@ STEP, WHERE =
 - ``backward``: SIGKILL inside its backward, from a hook on the first layer's weight gradient
   (computed last): with ``--bucket-cap-mb`` small, the buckets of the later layers are
   all-reduced already (launched on every rank), the first layer's are not;
-- ``commit``: SIGKILL after its backward (the others' all-reduce is done, they wait in the
-  commit);
-- ``step``: SIGKILL inside ``optimizer.step`` (a step pre-hook): every member set its commit key
-  (``Run`` steps the optimizer only then), so the others apply that step and meet the loss at
-  the next one;
+- ``voted``: SIGKILL inside its backward right after its last gradient bucket's all-reduce
+  completed there (``tandem.recovery._after_vote``): the step's vote, which rides in that
+  all-reduce, passed here, so every member had entered it;
+- ``commit``: SIGKILL after its backward (its vote passed: the others commit the step, apply it
+  and meet the loss at the next one);
+- ``step``: SIGKILL inside ``optimizer.step`` (a step pre-hook): every member voted (``Run``
+  steps the optimizer only then), so the others apply that step and meet the loss at the next
+  one;
 - ``hang``: SIGSTOP before its backward (alive, silent, its connections open).
+
+``--split RANK:STEP`` (repeatable) makes launch rank RANK raise as if its vote on step STEP had
+failed, right after it completed there (``tandem.recovery._after_vote``): the vote then
+completed on some members and not on others, as when a member dies in the middle of Gloo's ring.
+It first adds 1 to every gradient it holds: the vote rides in the gradient all-reduce, whose
+sum a failed ring leaves partial, so a rank that went on with its own gradients would end
+elsewhere. It writes ``OUT.split-RANK`` (JSON: step) as it raises.
+
+``--no-backward STEP`` (repeatable) makes every rank's step STEP a forward without a backward
+(under ``torch.no_grad``: no DDP backward, so the commit votes in a collective of its own).
 
 ``--pause RANK:STEP`` (repeatable) makes launch rank RANK stop before its backward at step STEP
 (beating, its connections open): it writes ``OUT.paused-RANK`` (JSON: step, world size) and
@@ -53,10 +67,11 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import tandem
+import tandem.recovery
 from tandem.checkpoint.rng import capture_rng_state, restore_rng_state, seed_rng
 from tandem.recovery import Run, newcomer_seed
 
-WHERES = ("forward", "backward", "commit", "step", "hang")
+WHERES = ("forward", "backward", "voted", "commit", "step", "hang")
 
 
 def data() -> TensorDataset:
@@ -83,11 +98,13 @@ def main() -> None:
     parser.add_argument("out")
     parser.add_argument("--kill", type=kill_spec, action="append", default=[])
     parser.add_argument("--pause", type=pause_spec, action="append", default=[])
+    parser.add_argument("--split", type=pause_spec, action="append", default=[])
     parser.add_argument("--stop-after", type=int, default=None)
     parser.add_argument("--resume", default=None)
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--bucket-cap-mb", type=float, default=None)
     parser.add_argument("--step-sleep", type=float, default=0.0)
+    parser.add_argument("--no-backward", type=int, action="append", default=[])
     args = parser.parse_args()
     torch.set_num_threads(1)
     faulthandler.register(signal.SIGUSR1, all_threads=True)
@@ -113,6 +130,22 @@ def main() -> None:
             seed_rng(newcomer_seed(3, run.step_count, rank))
     mine = {where: step for rank, step, where in args.kill if rank == me}
     pauses = {step for rank, step in args.pause if rank == me}
+    splits = {step for rank, step in args.split if rank == me}
+
+    def after_vote(step: int) -> None:
+        """The vote on ``step`` completed here: at a --split step, spoil the gradients (as a
+        failed ring leaves them) and raise as if it had not (once); a ``voted`` victim dies."""
+        lose("voted")
+        if step in splits:
+            splits.discard(step)
+            with torch.no_grad():
+                for p in net.parameters():
+                    if p.grad is not None:
+                        p.grad.add_(1.0)
+            Path(f"{args.out}.split-{me}").write_text(json.dumps({"step": step}))
+            raise tandem.recovery._Lost(f"test: rank {me}'s vote on step {step} 'failed'")
+
+    tandem.recovery._after_vote = after_vote
 
     def pause() -> None:
         """Wait for the test's go (it cuts this rank's network first) at a --pause step."""
@@ -145,6 +178,11 @@ def main() -> None:
     def train_step(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> float:
         time.sleep(args.step_sleep)  # a slower step: a replacement has time to start
         x, y = batch
+        if run.step_count in args.no_backward:
+            with torch.no_grad():
+                loss = F.cross_entropy(model(x), y)  # the dropout masks are drawn all the same
+            lose("forward")
+            return loss.item()
         loss = F.cross_entropy(model(x), y)
         lose("forward")
         lose("hang")  # hung: alive, silent, holding its sockets

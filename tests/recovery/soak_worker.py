@@ -13,8 +13,9 @@ its members, group rank and world size, the plan's failure, the time):
 - ``--kill RANK:STEP:WHERE`` (``recovery_worker``'s spec; repeatable): launch rank RANK loses
   itself at step STEP, WHERE = ``forward`` (SIGKILL before its forward), ``backward`` (SIGKILL
   inside its backward, from a hook on the first layer's weight gradient, computed last),
-  ``commit`` (SIGKILL after its backward), ``step`` (SIGKILL inside ``optimizer.step``: that
-  step is committed everywhere) or ``hang`` (SIGSTOP before its forward).
+  ``commit`` (SIGKILL after its backward: its vote, which rides in the gradient all-reduce,
+  passed, so that step is committed everywhere), ``step`` (SIGKILL inside ``optimizer.step``:
+  that step is committed everywhere too) or ``hang`` (SIGSTOP before its forward).
 - ``--plan SEED`` (with ``--stop-after``): the failures :func:`plan` draws from SEED. Failure k
   strikes in generation 2k, the membership whole (:data:`WORLD` ranks: the first generation,
   or one a replacement completed), at the first of its steps from the failure's planned one
@@ -288,7 +289,9 @@ def train(
         loss = F.cross_entropy(model(x), y)
         trained["loss"] = loss.item()
         loss.backward()
-        saboteur.lose("commit")
+        # After the backward, so after its vote (in the gradient all-reduce) passed here: this
+        # step is committed everywhere.
+        saboteur.lose("commit", before=note)
         return trained["loss"]
 
     while not run.finished and run.step_count != stop:

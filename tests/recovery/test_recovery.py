@@ -3,22 +3,29 @@
 Proves, with ``tandem run --recover in-memory`` (real processes over Gloo; the launcher hosts
 the store, marks a dead rank there and kills a rank the others left out):
 
-- a rank SIGKILLed during a step costs that step only, wherever in the step it dies: before its
-  backward (the others are inside the gradient all-reduce), inside it once some gradient
-  buckets are all-reduced and others not (mid-bucket), after it (the others' all-reduce is done
-  and they wait in the commit); the survivors re-form a group one smaller (renumbered where the
-  lost rank was not the last) and redo it; at the first step and at the last step of an epoch
-  too;
-- a rank SIGKILLed inside the optimizer step has committed that step (every member set its
-  commit key; ``Run`` steps the optimizer only then): the survivors apply it, meet the loss at
-  the next step and redo that one, so the oracle is saved one step later;
+- a rank SIGKILLed during a step before its vote costs that step only: before its backward (the
+  others are inside the gradient all-reduce), inside it once some gradient buckets are
+  all-reduced and others not (mid-bucket); the survivors re-form a group one smaller
+  (renumbered where the lost rank was not the last) and redo it; at the first step and at the
+  last step of an epoch too;
+- the vote rides in the last gradient bucket's all-reduce: a rank SIGKILLed once that completed
+  on it (inside its backward, after it, or inside the optimizer step) has committed that step
+  on every survivor: they apply it, meet the loss at the next step and redo that one, so the
+  oracle is saved one step later;
+- a step without a DDP backward (nothing for the vote to ride in) votes in a collective of its
+  own: a rank lost in it costs that step, not the next;
 - two ranks lost at once (2 of 4, confirmed dead: the majority rule counts only the ranks not
-  known dead) leave 2 survivors that go on; one lost before its backward and one after it
-  costs two re-forms of the same step;
+  known dead) leave 2 survivors that go on; one lost before its backward and one after its
+  vote in the redo cost two re-forms, of that step and the next (the oracle: three sizes);
 - the run then ends **bitwise** equal to the oracle: the same job trained to that step at the
   full size, saved, and resumed at the survivors' number (parameters, optimizer state, the
   run's position, and every rank's generators: the model draws dropout masks, each rank its
   own);
+- a vote that completed on some survivors and not on others (forced: a survivor spoils its
+  gradients and raises right after its last bucket's all-reduce completed, as a ring broken by
+  a member SIGKILLed in the middle of it leaves a partial sum, while the victim had voted) is
+  rolled forward: the survivor behind takes the step's state from one that committed it, and
+  all redo it when none did; each ends bitwise equal to its oracle;
 - a hung rank (SIGSTOP) is left out after the heartbeat timeout and killed by the launcher;
 - every process is accounted for: the launcher exits 0, names each lost rank once, and no
   worker (nor anything in its process group) is left behind;
@@ -60,24 +67,38 @@ def launch(
 
 def resumed(directory: Path, nproc: int, size: int, step: int, extra: list[str]) -> dict:
     """Train at ``nproc`` ranks to ``step``, save, resume at ``size`` ranks to the end."""
-    half = directory / "half.pt"
-    first = launch(nproc, [str(half), "--stop-after", str(step), *extra])
-    assert first.returncode == 0, first.stderr
+    return resumed_chain(directory, nproc, [(step, size)], extra)
+
+
+def resumed_chain(
+    directory: Path, nproc: int, sizes: list[tuple[int, int]], extra: list[str]
+) -> dict:
+    """Train at ``nproc`` ranks to the first step of ``sizes`` (pairs of a step and the world
+    size from it on), save, resume at its size to the next step, save, and so on to the end."""
+    saved: Path | None = None
+    for i, (step, _) in enumerate(sizes):
+        size = nproc if i == 0 else sizes[i - 1][1]
+        part = directory / f"part{i}.pt"
+        resume = [] if saved is None else ["--resume", str(saved)]
+        first = launch(size, [str(part), "--stop-after", str(step), *resume, *extra])
+        assert first.returncode == 0, first.stderr
+        saved = part
     end = directory / "oracle.pt"
-    second = launch(size, [str(end), "--resume", str(half), *extra])
+    second = launch(sizes[-1][1], [str(end), "--resume", str(saved), *extra])
     assert second.returncode == 0, second.stderr
     return torch.load(end, weights_only=True)
 
 
 @pytest.fixture(scope="module")
 def oracle(tmp_path_factory) -> Callable[..., dict]:
-    """``oracle(nproc, size, step, extra)``: :func:`resumed`, run once per set-up."""
+    """``oracle(nproc, sizes, extra)``: :func:`resumed`, run once per set-up."""
     made: dict[tuple, dict] = {}
 
-    def get(nproc: int, size: int, step: int, extra: tuple[str, ...] = ()) -> dict:
-        key = (nproc, size, step, extra)
+    def get(nproc: int, sizes: tuple[tuple[int, int], ...], extra: tuple[str, ...] = ()) -> dict:
+        key = (nproc, sizes, extra)
         if key not in made:
-            made[key] = resumed(tmp_path_factory.mktemp("oracle"), nproc, size, step, [*extra])
+            directory = tmp_path_factory.mktemp("oracle")
+            made[key] = resumed_chain(directory, nproc, list(sizes), [*extra])
         return made[key]
 
     return get
@@ -90,6 +111,7 @@ class Case:
     recoveries: tuple[tuple[tuple[int, ...], int], ...]  # (ranks lost, step redone) each
     extra: tuple[str, ...] = ()  # more worker arguments, the oracle's too
     how: str = "killed by SIGKILL"
+    splits: tuple[str, ...] = ()  # the worker's --split RANK:STEP (a vote split by force)
 
     @property
     def victims(self) -> list[int]:
@@ -98,8 +120,9 @@ class Case:
 
 TWO_EPOCHS = ("--epochs", "2")  # 4 steps an epoch at 4 ranks (60 samples, 4 a rank)
 CASES = [
-    # commit: after its backward (the others' all-reduce is done, they wait in the commit).
-    pytest.param(Case(3, ("2:3:commit",), (((2,), 3),)), id="3-2-commit"),
+    # commit: after its backward: its vote (in the all-reduce) passed, so step 3 commits on the
+    # survivors, which meet the loss in step 4 (the last of epoch 0) and redo it.
+    pytest.param(Case(3, ("2:3:commit",), (((2,), 4),)), id="3-2-commit"),
     # forward: before its backward (the others wait in the all-reduce); rank 1 of 4 lost
     # renumbers the ranks after it. Step 3 is the last of epoch 0: its redo at 3 ranks deals
     # the epoch's last 12 samples anew, and epoch 1 runs at 3 ranks.
@@ -137,13 +160,44 @@ CASES = [
     ),
     # Two in one step, one before its backward and one after: the second cannot get past the
     # all-reduce the first never joins, re-forms with the others, and is lost in the redo
-    # (after its backward): two re-forms of step 2, the second from 3 ranks to 2.
+    # after its backward: its vote passed, so step 2 commits at 3 ranks and step 3 is redone
+    # at 2 (the oracle: 4 ranks to step 2, 3 ranks to step 3, then 2).
     pytest.param(
-        Case(4, ("1:2:forward", "3:2:commit"), (((1,), 2), ((3,), 2))),
+        Case(4, ("1:2:forward", "3:2:commit"), (((1,), 2), ((3,), 3))),
         id="4-1-forward+3-commit",
     ),
     # First step: the generators are those published at the start, the buckets not rebuilt.
     pytest.param(Case(4, ("2:0:forward",), (((2,), 0),)), id="4-2-forward-first-step"),
+    # A split vote: step 2's vote completes on every rank, rank 2 dies in its optimizer step,
+    # and rank 0 raises as if its vote had failed (Gloo's ring can leave a survivor so). Rank 1
+    # committed step 2, so rank 0 rolls forward: it takes rank 1's state after step 2 (its own
+    # gradients are spoilt, as a broken ring leaves them), and the survivors redo step 3. Rank 0
+    # writes the record: a rank 0 that did not roll forward, or stepped with its own
+    # gradients, would end elsewhere (or vote on another step).
+    pytest.param(
+        Case(3, ("2:2:step",), (((2,), 3),), splits=("0:2",)), id="3-2-step-split-rolled-forward"
+    ),
+    # ... the victim SIGKILLed inside its backward, right after its last bucket's all-reduce
+    # completed there (its vote passed), while that all-reduce completed on rank 1 and "failed"
+    # on rank 0: rank 1 commits step 2, rank 0 is behind and takes rank 1's state.
+    pytest.param(
+        Case(3, ("2:2:voted",), (((2,), 3),), splits=("0:2",)),
+        id="3-2-voted-mid-backward-split",
+    ),
+    # A step without a DDP backward (a forward under no_grad at step 2): nothing carries the
+    # vote but a collective of its own, which the rank lost in its forward never joins, so step
+    # 2 is redone. (Taken as passed without that vote, the step would commit without the lost
+    # rank's state: its place would start from older generators, a step later.)
+    pytest.param(
+        Case(3, ("1:2:forward",), (((1,), 2),), ("--no-backward", "2")),
+        id="3-1-forward-no-backward-step",
+    ),
+    # ... and when no survivor committed it (only the dead rank's vote completed): step 2 is
+    # redone, as if the vote had failed everywhere.
+    pytest.param(
+        Case(3, ("2:2:step",), (((2,), 2),), splits=("0:2", "1:2")),
+        id="3-2-step-split-none-committed",
+    ),
 ]
 
 
@@ -185,8 +239,13 @@ def assert_equal_runs(recovered: dict, expected: dict) -> None:
 def test_a_lost_rank_costs_one_step_and_the_run_equals_a_resume(tmp_path, oracle, case):
     out = tmp_path / "recovered.pt"
     kills = [arg for k in case.kills for arg in ("--kill", k)]
+    kills += [arg for k in case.splits for arg in ("--split", k)]
     result = launch(case.nproc, [str(out), *kills, *case.extra], recover=True)
     assert result.returncode == 0, result.stderr
+    for split in case.splits:  # each split rank raised where it was told
+        rank, step = split.split(":")
+        told = json.loads((tmp_path / f"recovered.pt.split-{rank}").read_text())
+        assert told["step"] == int(step), told
 
     # Every process accounted for: each victim lost once (the others ran to completion), and
     # nothing of any worker is left now that the launcher is gone.
@@ -226,15 +285,21 @@ def test_a_lost_rank_costs_one_step_and_the_run_equals_a_resume(tmp_path, oracle
         assert recovery["detected_s"] + recovery["recovered_s"] < limit, recovery
     assert recovered["world_size"] == len(members) == case.nproc - len(case.victims)
 
-    # The oracle: trained to the step redone at the full size, resumed at the survivors' size.
-    (step,) = {step for _, step in case.recoveries}
-    assert_equal_runs(recovered, oracle(case.nproc, len(members), step, case.extra))
+    # The oracle: trained to the step redone at the full size, resumed at the survivors' size
+    # (and on to the next size, for re-forms at different steps).
+    sizes: list[tuple[int, int]] = []
+    alive = case.nproc
+    for gone, step in case.recoveries:
+        alive -= len(gone)
+        sizes = [*sizes[:-1]] if sizes and sizes[-1][0] == step else sizes
+        sizes.append((step, alive))
+    assert_equal_runs(recovered, oracle(case.nproc, tuple(sizes), case.extra))
 
 
 def test_without_a_failure_the_run_differs_from_the_resumed_one(tmp_path, oracle):
     # The oracle means something: at 3 ranks throughout, the run ends elsewhere.
     out = tmp_path / "plain.pt"
     assert launch(3, [str(out)]).returncode == 0
-    plain, resumed_at_2 = torch.load(out, weights_only=True), oracle(3, 2, 3)
+    plain, resumed_at_2 = torch.load(out, weights_only=True), oracle(3, ((3, 2),))
     assert plain["steps"] != resumed_at_2["steps"]
     assert any(not torch.equal(plain["model"][k], v) for k, v in resumed_at_2["model"].items())

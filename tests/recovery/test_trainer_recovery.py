@@ -13,6 +13,9 @@ recovery; 3 ranks, one lost, 2 go on):
   final checkpoint equals the oracle's (3 ranks to step 6, saved; 2 ranks resumed from it):
   parameters, momentum buffers, epoch, step, the sampler's place, every rank's generators and
   loss sums, and the per-epoch train and test losses of the history;
+- a vote split between the survivors (one spoils its gradients and raises right after its vote,
+  in the gradient all-reduce, completed, while another committed the step) ends there too: the
+  one behind takes the state of the one ahead;
 - the uninterrupted 3-rank run ends elsewhere (the equality above is not trivially true);
 - the exit summary names the recovery, and the job exits 0 with no worker left behind.
 """
@@ -101,6 +104,23 @@ def test_a_trainer_survives_a_lost_rank_and_equals_a_resume(tmp_path, oracle, ki
     result = launch(3, tmp_path, "--kill", kill, recover=True)
     lost = re.findall(r"^tandem run: rank (\d+) \(.*\) was lost", result.stderr, re.M)
     assert lost == [str(victim)], result.stderr[-3000:]
+    summary = [line for line in result.stderr.splitlines() if "tandem run: recovery 1:" in line]
+    assert len(summary) == 1 and "step 6 redone" in summary[0], result.stderr[-3000:]
+    assert_same_run(final(tmp_path), oracle)
+
+
+@pytest.mark.timeout(400)
+def test_a_survivor_whose_vote_failed_where_another_committed_takes_its_state(tmp_path, oracle):
+    """A split vote: step 6's vote completes on every rank, rank 2 dies in its optimizer step,
+    and rank 0 spoils its gradients and raises as if its vote (its last bucket's all-reduce)
+    had failed. Rank 1 committed step 6: rank 0 takes the state step 6 left from it
+    (parameters, momentum, the kept shared state; every member's loss sums were left in the
+    store at the vote) and both redo step 7, as if rank 2 had died after a plain commit. Rank
+    0, the new rank 0, writes the checkpoints: had it not caught up (or stepped with its own
+    gradients), its parameters would be the ones broadcast and saved."""
+    result = launch(3, tmp_path, "--kill", "2:5:step", "--split", "0:5", recover=True)
+    lost = re.findall(r"^tandem run: rank (\d+) \(.*\) was lost", result.stderr, re.M)
+    assert lost == ["2"], result.stderr[-3000:]
     summary = [line for line in result.stderr.splitlines() if "tandem run: recovery 1:" in line]
     assert len(summary) == 1 and "step 6 redone" in summary[0], result.stderr[-3000:]
     assert_same_run(final(tmp_path), oracle)

@@ -12,10 +12,14 @@ STEP``), WHERE = ``forward`` (SIGKILL in its training step, before the backward)
 (SIGKILL inside the optimizer step: after the step committed), ``save`` (SIGKILL while rank 0
 writes the checkpoint of step STEP), ``hang`` (SIGSTOP before the backward) or ``redo`` (SIGKILL
 in its training step once the world has shrunk: in the redo after another rank's loss, a second
-loss before that redo commits); ``--kill`` may be repeated. ``--max-steps K``
-trains K steps and stops (the oracle's first half: it saves at the end); ``--resume`` continues
-from the latest checkpoint (the second half, at another world size). ``--epochs E``: the run's
-``max_epochs`` (default 2).
+loss before that redo commits); ``--kill`` may be repeated. ``--split RANK:STEP`` makes launch
+rank RANK raise as if its commit's vote of optimizer step STEP had failed, right after it
+completed there (``tandem.recovery._after_vote``, inside the backward: the vote rides in the
+gradient all-reduce), its gradients spoilt as a broken ring leaves them: a vote split between
+the survivors.
+``--max-steps K`` trains K steps and stops (the oracle's first half: it saves at the end);
+``--resume`` continues from the latest checkpoint (the second half, at another world size).
+``--epochs E``: the run's ``max_epochs`` (default 2).
 
 For the replacement test: ``--step-sleep S`` sleeps S seconds in every training step while the
 world is smaller than the job started (a replacement has time to start and be admitted);
@@ -40,6 +44,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import tandem
+import tandem.recovery
 from tandem.checkpoint import checkpointer
 from tandem.train import run_state
 
@@ -55,6 +60,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("run_dir")
     parser.add_argument("--kill", action="append", default=[])
+    parser.add_argument("--split", action="append", default=[])
     parser.add_argument("--max-steps", type=int, default=None)
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--epochs", type=int, default=2)
@@ -72,6 +78,20 @@ def main() -> None:
         run_state.derived_seed = lambda *parts: seed(*parts) + 1  # type: ignore[assignment]
     tandem.init()
     mine = [kill.split(":")[1:] for kill in args.kill if int(kill.split(":")[0]) == me]
+    splits = {int(s.split(":")[1]) for s in args.split if int(s.split(":")[0]) == me}
+
+    def split(vote: int) -> None:  # the vote on optimizer step STEP commits step number STEP + 1
+        if vote - 1 in splits:
+            splits.discard(vote - 1)
+            # The vote rides in the gradient all-reduce, whose sum a broken ring leaves partial:
+            # spoilt gradients here, so that stepping with them would end elsewhere.
+            with torch.no_grad():
+                for p in net.parameters():
+                    if p.grad is not None:
+                        p.grad.add_(1.0)
+            raise tandem.recovery._Lost(f"test: rank {me}'s vote {vote} 'failed'")
+
+    tandem.recovery._after_vote = split
     at, where = mine[0] if mine else ("-1", "")
     dies = bool(mine)
     size = int(os.environ["WORLD_SIZE"])

@@ -10,10 +10,16 @@ world size, from a checkpoint written at the last committed step. Nothing is rea
   and the grad scaler's state), the same on every rank, kept in memory
   (:meth:`InMemory.keep`). The model and the optimizer need no copy: the commit comes before
   the optimizer steps, so a step that does not commit leaves them as they were.
-- **What a lost rank leaves behind**: its own part of the run (its generators, its loss sums),
-  set in the store as the value of its commit key (:meth:`InMemory.commit`); every member's is
-  there for the last committed step, so the survivors read the lost ranks' from the store.
-- **The recovery** (:meth:`InMemory.recover`): the survivors re-form the group, the Trainer
+- **What a lost rank leaves behind**: its own part of the run, its generators and its loss
+  sums, left in the store right before the step's vote, which rides in the gradient
+  all-reduce (:meth:`tandem.recovery.Recoverer.attach`): the sums as the step will leave them,
+  from the loss its forward computed (:meth:`InMemory.own`; the commit checks that the step
+  left them so). So the survivors find every member's part of the last committed step.
+- **The recovery** (:meth:`InMemory.recover`): the survivors re-form the group. The vote may
+  have completed on some of them and not on others (a member lost in the middle of it): those
+  behind take the state of one that committed the step (its parameters, optimizer state and
+  kept shared state: a broadcast over the new group, only then), so every survivor goes on
+  from the newest step any of them committed. Then the Trainer
   builds what depends on the world anew (tandem.DDP over the new group, the loaders and the
   sampler, the run state), loads the kept shared state and every old member's own part with
   the same code a resume from a checkpoint at another world size runs
@@ -27,7 +33,8 @@ new size" ends.
 
 **Growing back** (``--max-restarts N``, one node): the Trainer admits replacements. The launcher
 starts one for a lost rank; its ``tandem.init()`` queues it in the store
-(:mod:`tandem.job.join`), and the commit whose outcome names it (``grow:<n>``) makes every
+(:mod:`tandem.job.join`), and the commit whose vote names it (the fewest queued replacements
+any member has seen, counted in the vote: the same count everywhere) makes every
 member admit it after that step's boundary (its log record, evaluation and checkpoint, done at
 the old size; :meth:`InMemory.admit`). The group grows with it
 (:meth:`tandem.recovery.Recoverer.grow`), the members build anew what depends on the world,
@@ -47,6 +54,7 @@ Trainer says so at its start, and a lost rank then ends the job as under ``--rec
 Example::
 
     recovery = InMemory(trainer)          # inactive outside --recover in-memory
+    recovery.attach(trainer)              # the votes ride in the engine's all-reduce
     recovery.keep(trainer)                # after every optimizer step
     recovery.commit(trainer, step)        # before it
     recovery.admit(trainer)               # at a step boundary: replacements the commit named
@@ -54,19 +62,23 @@ Example::
 
 from __future__ import annotations
 
+import copy
+import json
 import logging
 import pickle
-from typing import Any, Protocol
+from functools import partial
+from typing import Any, Protocol, cast
 
 import torch
 
-from tandem.checkpoint.rng import compact_rng_state, expand_rng_state
+from tandem.checkpoint.rng import expand_rng_state
 from tandem.job import join
 from tandem.parallel.adapters import model_state, optimizer_state
 from tandem.parallel.engine import Engine
-from tandem.recovery import Recoverer, declare_unable, decode, enabled, encode
+from tandem.recovery import Recoverer, RngText, declare_unable, decode, enabled
 from tandem.train.precision import ScalerState
 from tandem.train.run_state import RunState
+from tandem.train.step import StepOutput, Update
 from tandem.train.step_log import RunLog, SavedRun
 from tandem.world import World
 
@@ -83,6 +95,7 @@ class Trainer(Protocol):
     scheduler: Any
     _scaler_state: ScalerState | None
     _wraps_itself: bool
+    _update: Update
 
     @property
     def optimizer(self) -> torch.optim.Optimizer: ...
@@ -133,7 +146,12 @@ class InMemory:
         self.kept: dict[str, Any] | None = None
         self.after_step = False  # the state kept is a step's (not train()'s start)
         self.refused: str | None = None
-        self.growing = 0  # replacements the last commit's outcome admits (queued up to)
+        self.growing = 0  # replacements the last commit's vote admits (queued up to)
+        self.rng = RngText()  # this rank's generators as the commit leaves them in the store
+        # The step's micro-batch whose backward carries the vote: its loss, count and tokens;
+        # and the loss sums own() left in the store at the vote.
+        self._micro: tuple[float, int, int | None] | None = None
+        self._sums: list[Any] | None = None
         if not enabled() or trainer.world.world_size == 1:
             return
         self.refused = why_not(trainer)
@@ -154,6 +172,7 @@ class InMemory:
                 )
             return
         self.recoverer = Recoverer(admits=True)
+        self.attach(trainer)
         if self.recoverer.joined:
             self._take_over(trainer)
 
@@ -170,13 +189,64 @@ class InMemory:
         self.after_step = False
         self.commit(trainer, trainer.state.step)
 
-    def commit(self, trainer: Trainer, step: int) -> None:
-        """Commit optimizer step ``step`` (its number once taken) on every member or none,
-        leaving this rank's own part of the run in the store."""
+    def attach(self, trainer: Trainer) -> None:
+        """Let the commit's vote ride in the engine's gradient all-reduce (again after the
+        engine was built anew): the engine's wrapper carries it, and the Trainer's backward
+        tells :meth:`own` the loss of the micro-batch before it runs."""
         if self.recoverer is None:
             return
-        value = encode(_saved_run(trainer).rank_state_dict(compact_rng_state))
-        self.growing = self.recoverer.commit(step, value)
+        self.recoverer.attach(trainer.engine.model, partial(self.own, trainer))
+        update = trainer._update
+        backward = type(update).backward.__get__(update)
+        update.backward = partial(self._backward, backward)  # type: ignore[method-assign]
+
+    def _backward(self, backward: Any, out: StepOutput, weight: float) -> float:
+        # The loss as Update.backward reads it after the backward (the same bits: the forward
+        # computed it), read before, for own() at the vote inside it.
+        self._micro = (out.loss.item(), out.count, out.tokens)
+        return cast(float, backward(out, weight))
+
+    def own(self, trainer: Trainer) -> str:
+        """This rank's own part of the run as the step in progress will leave it, taken at the
+        vote (in the backward of its last micro-batch, before the Trainer adds that one's loss
+        to the sums): what :meth:`commit` passes once the step is done."""
+        run, window = trainer.state, trainer.log.window
+        if self._micro is not None:
+            # The two sums the Trainer adds each micro-batch's loss to (Trainer._run_batch),
+            # added to copies here, in the same order: the same bits.
+            loss, count, tokens = self._micro
+            run, window = copy.copy(run), copy.copy(window)
+            run.epoch_loss = list(run.epoch_loss)
+            run.epoch_loss[0] += loss * count
+            run.epoch_loss[1] += count
+            window.add(loss, count, tokens)
+        saved = SavedRun(run, window, world_size=trainer.world.world_size)
+        self._sums = _loss_sums(run, window)
+        return _own_text(self.rng.value(), saved.rank_state_dict(dict))
+
+    def commit(self, trainer: Trainer, step: int) -> None:
+        """Commit optimizer step ``step`` (its number once taken) on every member or none,
+        with this rank's own part of the run as the step left it (:meth:`own` left it in the
+        store at the vote; a step without a DDP backward leaves it here)."""
+        if self.recoverer is None:
+            return
+        self._micro = None
+        sums, self._sums = self._sums, None
+        if self.recoverer.passed(step):
+            # The state was taken at the vote; between the backward and here the Trainer draws
+            # nothing, and only its loss sums move (by the micro-batch's loss, added as own()
+            # added it): checked on the numbers alone, cheaply, not on the whole text again.
+            if repr(sums) != repr(_loss_sums(trainer)):  # repr: a NaN loss equals itself
+                raise RuntimeError(
+                    f"the loss sums of step {step} are {_loss_sums(trainer)}, not {sums} as "
+                    "left in the store at its vote"
+                )
+            self.growing = self.recoverer.commit(step, partial(self._own_now, trainer))
+            return
+        self.growing = self.recoverer.commit(step, self._own_now(trainer))
+
+    def _own_now(self, trainer: Trainer) -> str:
+        return _own_text(self.rng.value(), _saved_run(trainer).rank_state_dict(dict))
 
     def keep(self, trainer: Trainer) -> None:
         """The shared state right after an optimizer step, the point a recovery goes back to."""
@@ -198,19 +268,43 @@ class InMemory:
         assert self.recoverer is not None and self.recoverer.members is not None
         assert self.kept is not None
         self.growing = 0  # the queue stays: the new generation's next commit names it again
-        self.recoverer.reform(trainer.state.step, trainer._release_world)
-        states = [decode(value) for value in self.recoverer.committed_states()]
-        for state in states:
-            state["rng"] = expand_rng_state(state["rng"])
+
+        def ahead() -> dict[str, Any]:
+            """What a member behind the step this one committed needs of it: the state that
+            step left (the gradients it holds are the same, so this is what its own
+            optimizer step would make, and the Trainer's shared state after it)."""
+            return {
+                "model": trainer.engine.module.state_dict(),
+                "optimizer": trainer.optimizer.state_dict(),
+                "kept": self.kept,
+                "after_step": self.after_step,
+            }
+
+        recoverer = self.recoverer
+        recoverer.reform(trainer.state.step, trainer._release_world, ahead)
+        if recoverer.behind:  # its vote completed on others, not here: the step is theirs
+            caught_up = recoverer.caught_up
+            trainer.engine.module.load_state_dict(caught_up["model"])
+            trainer.optimizer.load_state_dict(caught_up["optimizer"])
+            self.kept, self.after_step = caught_up["kept"], caught_up["after_step"]
+        states = []
+        for value in recoverer.committed_states():
+            rng, _, rest = value.partition("\n")
+            state = json.loads(rest)
+            state["rng"] = expand_rng_state(decode(rng))
+            states.append(state)
+        assert self.kept is not None
         step = self.kept["trainer"]["step"]
         # The step's log record is written again where its boundary is done again.
         trainer._build_world(log_from=max(step - 1, 0) if self.after_step else step)
+        self.attach(trainer)
         _load(trainer, self.kept, states)
         trainer.state.restore_rng()
+        self.rng.forget()
         return self.after_step
 
     def admit(self, trainer: Trainer) -> None:
-        """Admit the replacements the last commit's outcome named (every member at the same
+        """Admit the replacements the last commit's vote named (every member at the same
         step boundary, once that step's boundary is done; see the module doc): grow the group,
         build anew what depends on the world, hand the newcomers the run, and go on from what
         a checkpoint written here would hold, as a resume at the larger world size does. The
@@ -230,9 +324,11 @@ class InMemory:
             # tandem.DDP's (its broadcast gives the newcomers the parameters), the run
             # directory's check, the loggers' opening (no record is dropped).
             trainer._build_world(log_from=step)
+            self.attach(trainer)
             shared, owns = self.recoverer.hand_over(shared, own)
             _load(trainer, shared, [state for state in owns if state is not None])
             trainer.state.restore_rng()
+            self.rng.forget()
             self.start(trainer)  # sets growing anew
 
     def _take_over(self, trainer: Trainer) -> None:
@@ -289,3 +385,17 @@ def _load(trainer: Trainer, shared: dict[str, Any], states: list[dict[str, Any]]
     if trainer._scaler_state is not None:
         trainer._scaler_state.load_state_dict(shared["scaler"])
     trainer.optimizer.zero_grad()  # what a failed step's backward left
+
+
+def _loss_sums(trainer_or_run: Any, window: Any = None) -> list[Any]:
+    """The loss sums of a rank's own part (the run state's and the step log window's)."""
+    if window is None:
+        trainer_or_run, window = trainer_or_run.state, trainer_or_run.log.window
+    return [*trainer_or_run.epoch_loss, *window.sums()]
+
+
+def _own_text(rng: str, state: dict[str, Any]) -> str:
+    """A rank's own part as the store holds it: its generators' text (:class:`RngText`, taken
+    anew only when they changed) and the rest as JSON (floats come back bitwise)."""
+    rest = {k: v for k, v in state.items() if k != "rng"}
+    return f"{rng}\n{json.dumps(rest, separators=(',', ':'))}"

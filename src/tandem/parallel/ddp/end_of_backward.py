@@ -23,6 +23,9 @@ travels depends on the device:
 A :class:`Rider` may add a few counts of its own, so that they cost no collective of their own:
 the Trainer's stop and checkpoint requests ride here every step. The rider's values are taken
 at launch (or at the mark) and their sums delivered once read (on a GPU, at the next forward).
+A :class:`Vote` (recovery in memory's commit, :mod:`tandem.recovery`) rides beside it: the
+reducer also tells it when the backward's last collective is about to be issued and when every
+collective of the backward has completed on this rank.
 
 Example::
 
@@ -58,6 +61,21 @@ class Rider(Protocol):
         ...
 
 
+class Vote(Rider, Protocol):
+    """A commit vote that rides in a DDP backward (:mod:`tandem.recovery`): its counts travel as
+    a :class:`Rider`'s, and the reducer calls it around the backward's collectives."""
+
+    def entering(self) -> None:
+        """Right before the backward's last gradient bucket is reduced: once that bucket's
+        collective completes anywhere, every rank has been here."""
+        ...
+
+    def passed(self) -> None:
+        """Every collective of the backward completed on this rank (a Gloo group, whose waits
+        block the host: on NCCL the host does not know, and this is not called)."""
+        ...
+
+
 class UnusedParametersError(RuntimeError):
     """Some rank finished backward without a gradient for some parameters."""
 
@@ -82,7 +100,10 @@ class EndOfBackward:
         self._event: Any = None
         self._missing: list[int] = []
         self.rider: Rider | None = None
-        self._riding = 0  # how many of the launched counts are the rider's (the last ones)
+        self.vote: Vote | None = None  # rides after the rider
+        # How many of the launched counts are the rider's and the vote's (the last ones).
+        self._riding = 0
+        self._voting = 0
         # mark() to settle(): this rank's counts, and its own first element before the mark.
         self._marked_values: list[int] = []
         self._own_first: torch.Tensor | None = None
@@ -186,12 +207,17 @@ class EndOfBackward:
     def _rider_values(self) -> list[int]:
         # Taken once per backward, on every rank; their sums are delivered after the read.
         extra = self.rider.values() if self.rider is not None else []
-        self._riding = len(extra)
-        return extra
+        votes = self.vote.values() if self.vote is not None else []
+        self._voting = len(votes)
+        self._riding = len(extra) + len(votes)
+        return extra + votes
 
     def _deliver(self, sums: list[int]) -> None:
+        split = len(sums) - self._voting
         if self.rider is not None:
-            self.rider.deliver(sums)
+            self.rider.deliver(sums[:split])
+        if self.vote is not None and self._voting:
+            self.vote.deliver(sums[split:])
 
     def _raise(self, missing: list[int]) -> None:
         per_rank = gather_objects([self.names[i] for i in missing], self.group)

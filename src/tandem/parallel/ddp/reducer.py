@@ -23,7 +23,9 @@ One iteration, as the reducer sees it:
    find_unused_parameters no gradient counts as missed: a parameter behind an output the loss
    left out is unused, as in torch (whose ``_DDPSink`` gives such outputs an undefined
    gradient). A parameter is used only where its gradient was defined, and one used on no rank
-   keeps its ``.grad`` as it is (None stays None).
+   keeps its ``.grad`` as it is (None stays None). Recovery in memory's commit vote rides here
+   too (:class:`tandem.parallel.ddp.end_of_backward.Vote`): told right before the last bucket
+   is reduced, and once every collective of the backward completed on this rank.
 
 The means reach ``.grad`` without a copy where it counts: a large gradient (see
 ``LARGE_GRADIENT``) becomes a view of its bucket's buffer. At the next forward the bucket takes
@@ -404,6 +406,11 @@ class Reducer:
             return self._reduce(bucket)
 
     def _reduce(self, bucket: Bucket) -> torch.futures.Future | dist.Work:
+        vote = self.end_of_backward.vote
+        if vote is not None and bucket.index == len(self.buckets) - 1:
+            # Recovery's commit: this rank's state goes where the others find it before the
+            # collective whose completion commits the step (tandem.recovery).
+            vote.entering()
         self._fill(bucket)
         if self.skipped is not None and self.skipped[bucket.index]:
             return completed(bucket.flat)  # skip_all_reduce_unused_params: no collective
@@ -487,6 +494,12 @@ class Reducer:
             self._write_back(kept, used)
         elif not write_back_now:
             self._write_back(range(len(self.params)), used)
+        vote = self.end_of_backward.vote
+        if vote is not None and self.progress.sliced:
+            # Every collective of this backward completed here, so every rank entered its last
+            # one: the vote passed on this rank. On NCCL the waits above do not block the host,
+            # which knows nothing yet: the commit votes in a collective of its own there.
+            vote.passed()
 
     def _mark_left_out(self, indices: list[int]) -> None:
         """find_unused_parameters: parameters the outputs reach but the loss did not.
