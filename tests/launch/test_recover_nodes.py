@@ -35,8 +35,6 @@ import json
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -46,17 +44,15 @@ import torch
 
 from tests.launch.netns_switch import Switch, can_make_switch, switch
 from tests.launch.test_recover_fallback import assert_bitwise
-from tests.launching import clean_env, final_checkpoint, python_path, run_job
+from tests.launch.test_recover_partition import BEAT_S, start_nodes
+from tests.launching import final_checkpoint, run_job
 from tests.recovery.test_recovery import assert_equal_runs, leftovers
 
 pytestmark = [pytest.mark.launch, pytest.mark.xdist_group("recovery")]
 
-ROOT = Path(__file__).resolve().parents[2]
 RECOVERY_WORKER = "tests.recovery.recovery_worker"
 FALLBACK_WORKER = "tests.launch.fallback_worker"
 RECOVER_WORKER = str(Path(__file__).with_name("recover_worker.py"))
-PORT = 29400  # node 0's namespace is brand new: nothing in it holds a port
-BEAT_S = 2.0
 
 
 @pytest.fixture
@@ -77,34 +73,7 @@ class Job:
         env: dict[str, str] | None = None,
     ) -> None:  # fmt: skip
         self.logs = [logs / f"node{i}.log" for i in range(len(net.nodes))]
-        self.procs: list[subprocess.Popen] = []
-        for rank, (node, log) in enumerate(zip(net.nodes, self.logs, strict=True)):
-            environ = {
-                **clean_env(),
-                "PYTHONPATH": python_path(),
-                "OMP_NUM_THREADS": "1",
-                **(env or {}),
-            }
-            # The namespaces share the host's name, which may resolve to an address the other
-            # nodes cannot reach: Gloo uses the node's interface instead.
-            environ["GLOO_SOCKET_IFNAME"] = node.interface
-            command = node.exec(
-                [
-                    sys.executable, "-m", "tandem.cli", "run",
-                    "--nnodes", str(len(net.nodes)), "--node-rank", str(rank),
-                    "--nproc-per-node", str(nproc),
-                    "--master-addr", net.nodes[0].address, "--master-port", str(PORT),
-                    "--recover", "in-memory", "--heartbeat-timeout", f"{BEAT_S:g}", *flags,
-                    *worker,
-                ]
-            )  # fmt: skip
-            with log.open("w") as sink:
-                # A session of its own: stop() reaches the launcher and what it started.
-                started = subprocess.Popen(
-                    command, stdout=sink, stderr=subprocess.STDOUT, env=environ, cwd=ROOT,
-                    start_new_session=True,
-                )  # fmt: skip
-                self.procs.append(started)
+        self.procs = start_nodes(net, self.logs, nproc, [*flags, *worker], env)
 
     def text(self, node: int) -> str:
         return self.logs[node].read_text()

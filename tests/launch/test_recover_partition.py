@@ -66,6 +66,42 @@ def net_of(request) -> Iterator:
         yield lambda n: stack.enter_context(switch(n))
 
 
+def start_nodes(
+    net: Switch, logs: list[Path], nproc: int, tail: list[str], env: dict[str, str] | None = None
+) -> list[subprocess.Popen]:
+    """One ``tandem run --recover in-memory`` per node of ``net`` (``nproc`` ranks each; node 0's
+    launcher hosts the store), ``tail`` its further flags and the worker, each node's output in
+    its file of ``logs``; each launcher in a session of its own, so that killing its process
+    group reaches what it started."""
+    procs = []
+    for rank, (node, log) in enumerate(zip(net.nodes, logs, strict=True)):
+        environ = {
+            **clean_env(),
+            "PYTHONPATH": python_path(),
+            "OMP_NUM_THREADS": "1",
+            **(env or {}),
+        }
+        # The namespaces share the host's name, which may resolve to an address the other
+        # nodes cannot reach: Gloo uses the node's interface instead.
+        environ["GLOO_SOCKET_IFNAME"] = node.interface
+        command = node.exec(
+            [
+                sys.executable, "-m", "tandem.cli", "run",
+                "--nnodes", str(len(net.nodes)), "--node-rank", str(rank),
+                "--nproc-per-node", str(nproc),
+                "--master-addr", net.nodes[0].address, "--master-port", str(PORT),
+                "--recover", "in-memory", "--heartbeat-timeout", f"{BEAT_S:g}", *tail,
+            ]
+        )  # fmt: skip
+        with log.open("w") as sink:
+            started = subprocess.Popen(
+                command, stdout=sink, stderr=subprocess.STDOUT, env=environ, cwd=ROOT,
+                start_new_session=True,
+            )  # fmt: skip
+        procs.append(started)
+    return procs
+
+
 class Job:
     """One `tandem run` per node, one rank each, the outputs in files."""
 
@@ -74,29 +110,7 @@ class Job:
     ) -> None:
         self.net, self.out = net, out
         self.logs = [out.with_name(f"node{i}.log") for i in range(len(net.nodes))]
-        self.procs: list[subprocess.Popen] = []
-        for rank, (node, log) in enumerate(zip(net.nodes, self.logs, strict=True)):
-            env = {**clean_env(), "PYTHONPATH": python_path(), "OMP_NUM_THREADS": "1"}
-            # The namespaces share the host's name, which may resolve to an address the other
-            # nodes cannot reach: Gloo uses the node's interface instead.
-            env["GLOO_SOCKET_IFNAME"] = node.interface
-            command = node.exec(
-                [
-                    sys.executable, "-m", "tandem.cli", "run",
-                    "--nnodes", str(len(net.nodes)), "--node-rank", str(rank),
-                    "--nproc-per-node", "1",
-                    "--master-addr", net.nodes[0].address, "--master-port", str(PORT),
-                    "--recover", "in-memory", "--heartbeat-timeout", f"{BEAT_S:g}", *flags,
-                    "-m", WORKER, str(out), *args,
-                ]
-            )  # fmt: skip
-            with log.open("w") as sink:
-                # A session of its own: stop() reaches the launcher and what it started.
-                started = subprocess.Popen(
-                    command, stdout=sink, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
-                    start_new_session=True,
-                )  # fmt: skip
-                self.procs.append(started)
+        self.procs = start_nodes(net, self.logs, 1, [*flags, "-m", WORKER, str(out), *args])
 
     def text(self, node: int) -> str:
         return self.logs[node].read_text()
