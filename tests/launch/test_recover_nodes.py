@@ -34,7 +34,6 @@ import contextlib
 import json
 import os
 import re
-import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -44,7 +43,7 @@ import torch
 
 from tests.launch.netns_switch import Switch, can_make_switch, switch
 from tests.launch.test_recover_fallback import assert_bitwise
-from tests.launch.test_recover_partition import BEAT_S, start_nodes
+from tests.launch.test_recover_partition import BEAT_S, Launchers, start_nodes
 from tests.launching import final_checkpoint, run_job
 from tests.recovery.test_recovery import assert_equal_runs, leftovers
 
@@ -65,7 +64,7 @@ def net_of() -> Iterator:
         yield lambda n: stack.enter_context(switch(n))
 
 
-class Job:
+class Job(Launchers):
     """One `tandem run` per node (``nproc`` ranks each, ``flags`` more), the outputs in files."""
 
     def __init__(
@@ -73,10 +72,7 @@ class Job:
         env: dict[str, str] | None = None,
     ) -> None:  # fmt: skip
         self.logs = [logs / f"node{i}.log" for i in range(len(net.nodes))]
-        self.procs = start_nodes(net, self.logs, nproc, [*flags, *worker], env)
-
-    def text(self, node: int) -> str:
-        return self.logs[node].read_text()
+        super().__init__(self.logs, start_nodes(net, self.logs, nproc, [*flags, *worker], env))
 
     def shown(self) -> str:
         return "\n".join(
@@ -91,21 +87,6 @@ class Job:
             if time.monotonic() > deadline or any(p.poll() is not None for p in self.procs):
                 pytest.fail(f"ranks {ranks} never started\n{self.shown()}")
             time.sleep(0.1)
-
-    def finish(self, within: float) -> list[int]:
-        """Every launcher's exit status; fails the test if one runs past ``within``."""
-        deadline = time.monotonic() + within
-        while any(p.poll() is None for p in self.procs) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        running = [i for i, p in enumerate(self.procs) if p.poll() is None]
-        assert not running, f"node(s) {running} still running after {within} s\n{self.shown()}"
-        return [int(p.returncode) for p in self.procs]
-
-    def stop(self) -> None:
-        for p in self.procs:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
 
     def accounted_for(self, marker: Path, workers: set[int] = frozenset()) -> None:
         """No launcher (nor its session), no worker of ``workers`` (nor its process group), and

@@ -102,35 +102,19 @@ def start_nodes(
     return procs
 
 
-class Job:
-    """One `tandem run` per node, one rank each, the outputs in files."""
+class Launchers:
+    """The launchers of one job's nodes (:func:`start_nodes`), each node's output in its file."""
 
-    def __init__(
-        self, net: Switch, out: Path, args: list[str], flags: tuple[str, ...] = ()
-    ) -> None:
-        self.net, self.out = net, out
-        self.logs = [out.with_name(f"node{i}.log") for i in range(len(net.nodes))]
-        self.procs = start_nodes(net, self.logs, 1, [*flags, "-m", WORKER, str(out), *args])
-
-    def text(self, node: int) -> str:
-        return self.logs[node].read_text()
+    def __init__(self, logs: list[Path], procs: list[subprocess.Popen]) -> None:
+        self.logs, self.procs = logs, procs
 
     def shown(self) -> str:
         return "\n".join(
             f"--- node {i} (exit {p.poll()}) ---\n{self.text(i)}" for i, p in enumerate(self.procs)
         )
 
-    def paused(self, ranks: list[int], within: float = 90) -> None:
-        """Wait until every one of ``ranks`` paused (``--pause``)."""
-        deadline = time.monotonic() + within
-        while not all(self.out.with_name(f"{self.out.name}.paused-{r}").exists() for r in ranks):
-            if time.monotonic() > deadline or any(p.poll() is not None for p in self.procs):
-                pytest.fail(f"ranks {ranks} never paused\n{self.shown()}")
-            time.sleep(0.05)
-
-    def go(self, ranks: list[int]) -> None:
-        for r in ranks:
-            self.out.with_name(f"{self.out.name}.go-{r}").touch()
+    def text(self, node: int) -> str:
+        return self.logs[node].read_text()
 
     def finish(self, within: float) -> list[int]:
         """Every launcher's exit status; fails the test if one runs past ``within``."""
@@ -146,6 +130,30 @@ class Job:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(p.pid, signal.SIGKILL)
             p.wait()
+
+
+class Job(Launchers):
+    """One `tandem run` per node, one rank each, the outputs in files."""
+
+    def __init__(
+        self, net: Switch, out: Path, args: list[str], flags: tuple[str, ...] = ()
+    ) -> None:
+        self.net, self.out = net, out
+        self.logs = [out.with_name(f"node{i}.log") for i in range(len(net.nodes))]
+        tail = [*flags, "-m", WORKER, str(out), *args]
+        super().__init__(self.logs, start_nodes(net, self.logs, 1, tail))
+
+    def paused(self, ranks: list[int], within: float = 90) -> None:
+        """Wait until every one of ``ranks`` paused (``--pause``)."""
+        deadline = time.monotonic() + within
+        while not all(self.out.with_name(f"{self.out.name}.paused-{r}").exists() for r in ranks):
+            if time.monotonic() > deadline or any(p.poll() is not None for p in self.procs):
+                pytest.fail(f"ranks {ranks} never paused\n{self.shown()}")
+            time.sleep(0.05)
+
+    def go(self, ranks: list[int]) -> None:
+        for r in ranks:
+            self.out.with_name(f"{self.out.name}.go-{r}").touch()
 
     def worker_pids(self) -> set[int]:
         found = set()
