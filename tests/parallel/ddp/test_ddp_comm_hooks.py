@@ -21,11 +21,16 @@ own code in any engine (torch 2.13): its error reaches every rank, with no hang.
 A hook that issues a second collective from its future's callback, with that callback delayed on
 rank 0 and run inline on rank 1, makes the ordering race deterministic: the collectives still
 match across ranks.
+
+A hook's future is waited on in slices: a failure declared while rank 0 waits on it (a member
+gone, as ``--recover in-memory``'s heartbeat declares one) ends rank 0's backward within a slice,
+with its peer stalled before its own backward.
 """
 
 from __future__ import annotations
 
 import functools
+import threading
 import time
 import traceback
 
@@ -303,3 +308,33 @@ def test_collectives_issued_from_hook_callbacks_stay_in_order():
         assert all(v % 2 == 0 for v in r["seen"]), r["seen"]
         assert r["seen"] == results[0]["seen"]
     assert functools.reduce(max, results[0]["seen"]) == 2 * results[0]["buckets"]
+
+
+def _stalled_peer() -> float | str:
+    # Rank 1 never starts its backward (a hung member, as SIGSTOP leaves it): rank 0 waits in
+    # its hook's future until another thread declares the failure, as --recover in-memory's
+    # heartbeat does when a member falls silent.
+    from tandem.doctor import mismatch
+
+    model = tandem.DDP(models.mlp(), comm_hook=default_hooks.allreduce_hook)
+    if dist.get_rank() == 1:
+        time.sleep(3)  # busy, not in a collective: the out-of-step survey lets the wait go on
+        return 0.0
+    loss = model(torch.randn(8, 10, dtype=torch.float64)).sum()
+    timer = threading.Timer(1.0, mismatch.fail, ("rank 1 is gone",), {"wait_for_others": False})
+    timer.start()
+    started = time.monotonic()
+    try:
+        loss.backward()
+    except mismatch.CollectiveMismatchError as error:
+        return time.monotonic() - started if "rank 1 is gone" in str(error) else str(error)
+    finally:
+        timer.join()
+    return "the backward returned"
+
+
+@pytest.mark.distributed
+def test_a_failure_declared_while_a_hook_future_waits_ends_the_backward_at_once():
+    waited, _ = run_ranks(_stalled_peer, 2, timeout=40)
+    assert isinstance(waited, float), waited
+    assert waited < 1.0 + 1.5  # a slice after the failure, not Gloo's 30-minute timeout

@@ -1,20 +1,26 @@
-"""The out-of-step check's record of this process's DDP models, without processes.
+"""The out-of-step check's record of this process's DDP models, and its waits, without processes.
 
 Each model gets the next index (the same on every rank, since every rank builds its models in
 the same order), and a model that is gone is forgotten: a process that builds many models (a
 sweep, a test suite) neither grows the record nor reports the steps of dead models to its peers.
 
 A collective that completes just as a slice of its wait runs out is a success, not a failure;
-one that completed with an error is raised, named as it failed.
+one that completed with an error is raised, named as it failed. A communication hook's future
+is waited on in slices too: it gives its value, raises its own error, or raises a failure that
+another thread declares while it waits (a member gone) within a slice, though it never completes.
 """
 
 from __future__ import annotations
 
 import gc
+import threading
+import time
 from datetime import timedelta
 
 import pytest
+import torch
 
+from tandem.doctor import mismatch
 from tandem.parallel.ddp import out_of_step
 
 
@@ -67,3 +73,40 @@ def test_a_collective_that_completed_with_an_error_is_raised(monkeypatch):
     with pytest.raises(RuntimeError, match="Timed out"):
         out_of_step._wait(work, progress, "all_reduce of bucket 0")
     assert work.waits == [out_of_step._SLICE, None]
+
+
+def _later(seconds: float, fn) -> threading.Timer:
+    timer = threading.Timer(seconds, fn)
+    timer.start()
+    return timer
+
+
+def test_a_hook_future_completed_by_another_thread_gives_its_value():
+    progress = out_of_step.track(None)
+    future: torch.futures.Future = torch.futures.Future()
+    _later(0.3, lambda: future.set_result(torch.ones(2)))
+    assert torch.equal(out_of_step.wait_future(future, progress, "hook"), torch.ones(2))
+
+
+def test_a_failure_declared_while_waiting_on_a_hook_future_raises_within_a_slice():
+    # A future that never completes: only the declared failure (a member gone, the doctor's
+    # verdict) can end the wait, as the slices of a collective's wait do.
+    progress = out_of_step.track(None)
+    future: torch.futures.Future = torch.futures.Future()
+    timer = _later(0.3, lambda: mismatch.fail("rank 1 is gone", wait_for_others=False))
+    started = time.monotonic()
+    try:
+        with pytest.raises(mismatch.CollectiveMismatchError, match="rank 1 is gone"):
+            out_of_step.wait_future(future, progress, "hook")
+    finally:
+        timer.join()
+        mismatch.reset()
+    assert time.monotonic() - started < 0.3 + 2 * out_of_step._SLICE.total_seconds() + 0.5
+
+
+def test_a_hook_future_that_failed_raises_its_own_error():
+    progress = out_of_step.track(None)
+    future: torch.futures.Future = torch.futures.Future()
+    _later(0.2, lambda: future.set_exception(RuntimeError("Connection closed by peer")))
+    with pytest.raises(RuntimeError, match="Connection closed by peer"):
+        out_of_step.wait_future(future, progress, "hook")

@@ -94,6 +94,35 @@ def wait(work: dist.Work, progress: ModelSteps, what: str) -> None:
         _wait(work, progress, what)
 
 
+def wait_future(future: Any, progress: ModelSteps, what: str) -> Any:
+    """``future.wait()`` for a communication hook's future, with :func:`wait`'s checks: on Gloo
+    the wait is sliced, so a failure another thread declares (the doctor's verdict, a member
+    gone under ``--recover in-memory``) is raised within a slice, and a wait that lasts asks
+    the ranks where they are. Returns the future's value.
+
+    A future gives no wait with a timeout: a callback sets an event when it completes, and
+    the event is waited on in slices (a hook may chain collectives in its callbacks, as
+    PowerSGD does; the future returned is done only once the last of them is).
+
+    Example::
+
+        result = out_of_step.wait_future(hook(state, bucket), progress, "bucket 0")
+    """
+    if not progress.sliced or future.done():
+        return future.wait()
+    done = threading.Event()
+    future.add_done_callback(lambda _: done.set())
+    with step_clock.waiting:
+        next_check = time.monotonic() + CHECK_AFTER_S
+        while not done.wait(_SLICE.total_seconds()):
+            mismatch.raise_if_failed()
+            if time.monotonic() >= next_check:
+                _raise_if_out_of_step(progress, what, None)
+                next_check = time.monotonic() + CHECK_AFTER_S
+    mismatch.raise_if_failed()
+    return future.wait()
+
+
 def _is_gloo(group: dist.ProcessGroup | None) -> bool:
     try:
         return not dist.is_initialized() or dist.get_backend(group) == "gloo"

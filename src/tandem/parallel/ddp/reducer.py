@@ -453,14 +453,17 @@ class Reducer:
             fut = self.futures[k]
             if fut is None:
                 if self.serial and k > 0:
-                    self.futures[k - 1].wait()  # type: ignore[union-attr]
+                    prior = f"communication hook, bucket {k - 1}"
+                    out_of_step.wait_future(self.futures[k - 1], self.progress, prior)
                 fut = self.futures[k] = self._launch(bucket)
             with span("tandem.ddp.bucket_wait", f"bucket {k}"):
                 if isinstance(fut, dist.Work):
                     self.wait(fut, f"gradient all-reduce, bucket {k}")  # reduced in place
                     result = bucket.flat
                 else:
-                    result = fut.wait()
+                    result = out_of_step.wait_future(
+                        fut, self.progress, f"communication hook, bucket {k}"
+                    )
                 if isinstance(result, list):  # a hook returned work.get_future() as is
                     result = result[0]
                 if result is not bucket.flat:
