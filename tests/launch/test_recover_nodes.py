@@ -41,7 +41,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.launch.netns_switch import Switch, can_make_switch, switch
+from tests.launch.netns_switch import Switch
 from tests.launch.test_recover_fallback import assert_bitwise
 from tests.launch.test_recover_partition import BEAT_S, Launchers, start_nodes
 from tests.launching import final_checkpoint, run_job
@@ -52,16 +52,6 @@ pytestmark = [pytest.mark.launch, pytest.mark.xdist_group("recovery")]
 RECOVERY_WORKER = "tests.recovery.recovery_worker"
 FALLBACK_WORKER = "tests.launch.fallback_worker"
 RECOVER_WORKER = str(Path(__file__).with_name("recover_worker.py"))
-
-
-@pytest.fixture
-def net_of() -> Iterator:
-    """``net_of(n)``: a switch of ``n`` nodes, removed at the end of the test."""
-    ok, reason = can_make_switch()
-    if not ok:
-        pytest.skip(reason)
-    with contextlib.ExitStack() as stack:
-        yield lambda n: stack.enter_context(switch(n))
 
 
 class Job(Launchers):

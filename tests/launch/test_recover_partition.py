@@ -33,13 +33,13 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.launch.netns_switch import Switch, can_make_switch, switch
+from tests.launch.netns_switch import Switch
 from tests.launching import clean_env, python_path
 from tests.recovery.test_recovery import assert_equal_runs, leftovers, resumed
 
@@ -56,25 +56,32 @@ NO_MAJORITY = "without a majority this side of a partition stops"
 LOST_STORE = "lost the job's store at {addr}:{port}"
 
 
-@pytest.fixture
-def net_of(request) -> Iterator:
-    """``net_of(n)``: a switch of ``n`` nodes, removed at the end of the test."""
-    ok, reason = can_make_switch()
-    if not ok:
-        pytest.skip(reason)
-    with contextlib.ExitStack() as stack:
-        yield lambda n: stack.enter_context(switch(n))
-
-
 def start_nodes(
-    net: Switch, logs: list[Path], nproc: int, tail: list[str], env: dict[str, str] | None = None
+    net: Switch,
+    logs: list[Path],
+    nproc: int,
+    tail: list[str],
+    env: dict[str, str] | None = None,
+    meet: Callable[[int], list[str]] | None = None,
+    only: list[int] | None = None,
 ) -> list[subprocess.Popen]:
     """One ``tandem run --recover in-memory`` per node of ``net`` (``nproc`` ranks each; node 0's
     launcher hosts the store), ``tail`` its further flags and the worker, each node's output in
     its file of ``logs``; each launcher in a session of its own, so that killing its process
-    group reaches what it started."""
+    group reaches what it started. ``meet(i)``: node ``i``'s rendezvous flags (default: the
+    static ones, ``--nnodes N --node-rank i --master-addr --master-port``); ``only``: start
+    these nodes alone (``logs`` then holds theirs, in that order)."""
+
+    def static(rank: int) -> list[str]:
+        return [
+            "--nnodes", str(len(net.nodes)), "--node-rank", str(rank),
+            "--master-addr", net.nodes[0].address, "--master-port", str(PORT),
+        ]  # fmt: skip
+
+    chosen = only if only is not None else list(range(len(net.nodes)))
     procs = []
-    for rank, (node, log) in enumerate(zip(net.nodes, logs, strict=True)):
+    for rank, log in zip(chosen, logs, strict=True):
+        node = net.nodes[rank]
         environ = {
             **clean_env(),
             "PYTHONPATH": python_path(),
@@ -86,10 +93,8 @@ def start_nodes(
         environ["GLOO_SOCKET_IFNAME"] = node.interface
         command = node.exec(
             [
-                sys.executable, "-m", "tandem.cli", "run",
-                "--nnodes", str(len(net.nodes)), "--node-rank", str(rank),
+                sys.executable, "-m", "tandem.cli", "run", *(meet or static)(rank),
                 "--nproc-per-node", str(nproc),
-                "--master-addr", net.nodes[0].address, "--master-port", str(PORT),
                 "--recover", "in-memory", "--heartbeat-timeout", f"{BEAT_S:g}", *tail,
             ]
         )  # fmt: skip

@@ -26,7 +26,12 @@ from tandem.launch.command import worker_command
 from tandem.launch.hostfile import read_hostfile
 from tandem.launch.in_memory import MODES, InMemoryCoordinator, check_one_node
 from tandem.launch.logfiles import LogPlan, parse_filters
-from tandem.launch.membership import ElasticCoordinator, ElasticSettings, JobEnded
+from tandem.launch.membership import (
+    ElasticCoordinator,
+    ElasticInMemoryCoordinator,
+    ElasticSettings,
+    JobEnded,
+)
 from tandem.launch.rendezvous import (
     Coordinator,
     LaunchError,
@@ -119,11 +124,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         choices=list(MODES),
         help="what a failed worker (non-zero exit, or a signal) costs. restart: every worker is "
         "stopped (and restarted from the last checkpoint, up to --max-restarts). in-memory: "
-        "one node, or a fixed --nnodes N (no MIN:MAX); the launcher (node 0's) hosts the job's "
-        "store, each launcher announces its lost ranks there and the others go on without "
-        "them (a script using tandem's in-memory recovery re-forms and redoes the step; a side "
-        "of a partition without a majority stops); a node's launcher succeeds if one of its "
-        "workers runs to completion. A lost worker is replaced while --max-restarts allows (by "
+        "one node, a fixed --nnodes N (static: --master-addr, --master-port, --node-rank), or "
+        "--nnodes MIN:MAX with --rdzv-backend c10d --rdzv-endpoint HOST:PORT (HOST is node "
+        "0); the launcher (node 0's) hosts the job's store, each launcher announces its lost "
+        "ranks there and the others go on without them (a script using tandem's in-memory "
+        "recovery re-forms and redoes the step; a side of a partition without a majority "
+        "stops); a node's launcher succeeds if one of its workers runs to completion. With "
+        "MIN:MAX a node arriving while the job runs (one that was down, started again) joins "
+        "it at a step boundary if fewer than MAX nodes run (else it waits), without spending "
+        "--max-restarts; the job ends if fewer than MIN nodes are left, and a fall-back "
+        "restarts nothing. A lost worker is replaced while --max-restarts allows (by "
         "its own node's launcher, counted per node as torchrun counts restarts; the others "
         "admit the replacement at their next step); a loss the others cannot go on from in "
         "memory (a sharded Trainer, a script without tandem's recovery) falls back to restart, "
@@ -220,7 +230,9 @@ def _placement(args: argparse.Namespace) -> tuple[int, Meeting]:
     most = None
     if args.nnodes is not None:
         nnodes, most = parse_nnodes(args.nnodes)
-        if most > nnodes and (backend != "c10d" or args.standalone):
+        # In-memory refuses a static MIN:MAX (build_spec): no warning before the error.
+        static = backend != "c10d" or args.standalone
+        if most > nnodes and static and args.recover != "in-memory":
             _say(
                 f"--nnodes {args.nnodes}: the job starts with {nnodes} node(s), the first to "
                 "arrive; elastic membership (up to MAX) needs --rdzv-backend c10d "
@@ -315,10 +327,11 @@ def build_spec(args: argparse.Namespace) -> tuple[LaunchSpec, Meeting]:
     nnodes, meeting = _placement(args)
     if args.recover == "in-memory":
         most = parse_nnodes(args.nnodes)[1] if args.nnodes is not None else nnodes
-        # A fixed number of nodes: one, or --nnodes N with static rendezvous (node 0 hosts
-        # the store); an elastic MIN:MAX (or c10d) is refused.
-        fixed = meeting.backend in ("local", "static") and most == nnodes
-        check_one_node(f"--nnodes {args.nnodes or nnodes}", fixed)
+        # One node, --nnodes N with the static rendezvous (node 0 hosts the store), or the
+        # c10d rendezvous (N or MIN:MAX: the endpoint's host hosts it); a static MIN:MAX is
+        # refused (its node count could not change).
+        supported = meeting.backend == "c10d" or most == nnodes
+        check_one_node(f"--nnodes {args.nnodes or nnodes}", supported)
         if not args.heartbeat_timeout > 0:
             raise LaunchError(f"--heartbeat-timeout {args.heartbeat_timeout:g} must be > 0")
     if args.max_restarts < 0:
@@ -408,6 +421,18 @@ def run_command(args: argparse.Namespace) -> int:
     if meeting.backend == "local" and spec.recover == "in-memory":
         # It hosts the store; the workers learn the heartbeat timeout from it.
         coordinator = InMemoryCoordinator(meeting.addr, meeting.port, args.heartbeat_timeout)
+    elif spec.recover == "in-memory" and meeting.elastic is not None:
+        # c10d, N or MIN:MAX: the endpoint's host is node 0 and hosts the store; a node that
+        # arrives while the job runs joins it in memory.
+        grows = ElasticInMemoryCoordinator(
+            meeting.elastic,
+            meeting.addr,
+            meeting.port or C10D_DEFAULT_PORT,
+            args.heartbeat_timeout,
+            spec.nproc_per_node,
+        )
+        spec = dataclasses.replace(spec, node_rank=0 if grows.serving else 1)
+        coordinator = grows
     elif spec.recover == "in-memory":  # many nodes, static: node 0 hosts the store
         assert meeting.node_rank is not None
         coordinator = InMemoryCoordinator(

@@ -34,24 +34,25 @@ worker running while restarts remain. Each restart gets a fresh store
 ``--master-port`` if one was given), so the restarted workers see no key of the attempt
 before (dead marks, ``able``, generations) and recover in memory again from the start.
 
-Many nodes (a fixed ``--nnodes N``, static rendezvous; an elastic ``MIN:MAX`` is refused):
-node 0's launcher hosts the store at ``--master-addr:--master-port`` (reachable by the other
-nodes) and the others are clients of it, each call bounded (a call on a cut link waits for an
-answer that never comes: :class:`_RemoteStore`). Every launcher marks its own lost workers dead,
-fences its own workers that the survivors left out (:func:`members_key`), and replaces its own
-lost workers on its own node (``--max-restarts`` counts this node's replacements, as torchrun's
-counts per node), each with a launch rank taken from a counter in the store
-(:meth:`InMemoryCoordinator.launch_rank`), so that no two nodes give one out twice. A loss that
-cannot be recovered in memory makes the launcher that saw it end the attempt on every node
-(:meth:`InMemoryCoordinator.end_job`, :class:`JobEnd`): every launcher stops its workers, they
-meet in the store (:meth:`InMemoryCoordinator.settle`: node 0 decides, once every node has
-stopped, whether every node restarts), node 0 starts a fresh store on the same port and the
-others connect to it again (:meth:`InMemoryCoordinator.begin`), and every node starts its
-workers again to resume from the last checkpoint, while ``--max-restarts`` allows (the
-fall-backs are counted for the job: every node restarts at each). A launcher that loses the
-store (node 0 down, or this node cut off) ends with :func:`lost_store_message`, as torch's c10d
-store's loss ends a job; a node whose launcher is gone gets no replacement, and node 0 says so
-(:func:`no_replacement_line`).
+Many nodes (a fixed ``--nnodes N``, static rendezvous; an elastic ``MIN:MAX`` with the c10d
+rendezvous is :class:`tandem.launch.membership.ElasticInMemoryCoordinator`, which forms the job
+once and lets nodes join it while it runs): node 0's launcher hosts the store at
+``--master-addr:--master-port`` (reachable by the other nodes) and the others are clients of it,
+each call bounded (a call on a cut link waits for an answer that never comes:
+:class:`_RemoteStore`). Every launcher marks its own lost workers dead, fences its own workers
+that the survivors left out (:func:`members_key`), and replaces its own lost workers on its own
+node (``--max-restarts`` counts this node's replacements, as torchrun's counts per node), each
+with a launch rank taken from a counter in the store (:meth:`InMemoryCoordinator.launch_rank`),
+so that no two nodes give one out twice. A loss that cannot be recovered in memory makes the
+launcher that saw it end the attempt on every node (:meth:`InMemoryCoordinator.end_job`,
+:class:`JobEnd`): every launcher stops its workers, they meet in the store
+(:meth:`InMemoryCoordinator.settle`: node 0 decides, once every node has stopped, whether every
+node restarts), node 0 starts a fresh store on the same port and the others connect to it again
+(:meth:`InMemoryCoordinator.begin`), and every node starts its workers again to resume from the
+last checkpoint, while ``--max-restarts`` allows (the fall-backs are counted for the job: every
+node restarts at each). A launcher that loses the store (node 0 down, or this node cut off) ends
+with :func:`lost_store_message`, as torch's c10d store's loss ends a job; a node whose launcher
+is gone gets no replacement, and node 0 says so (:func:`no_replacement_line`).
 
 The survivors note each recovery in the report directory (``TANDEM_REPORT_DIR``) as
 ``tandem-recovery-*.json``; the exit summary joins them with the launcher's record
@@ -236,9 +237,11 @@ def death_record(failure: Failure) -> dict[str, Any]:
 
 
 def check_one_node(what: str, one_node: bool) -> None:
-    """``LaunchError`` unless ``one_node``: ``in-memory`` supports a fixed number of nodes (one,
-    or ``--nnodes N`` with static rendezvous) but no elastic ``MIN:MAX`` and no ``--hostfile``
-    of many hosts. ``what``: the job's size as the user gave it (``--nnodes 1:2``).
+    """``LaunchError`` unless ``one_node``: with the static rendezvous ``in-memory`` supports a
+    fixed number of nodes (one, or ``--nnodes N``), an elastic ``MIN:MAX`` only with the c10d
+    rendezvous (:class:`tandem.launch.membership.ElasticInMemoryCoordinator`), and no
+    ``--hostfile`` of many hosts. ``what``: the job's size as the user gave it
+    (``--nnodes 1:2``).
 
     Example::
 
@@ -247,9 +250,12 @@ def check_one_node(what: str, one_node: bool) -> None:
     if one_node:
         return
     raise LaunchError(
-        f"--recover in-memory with {what}: only a fixed number of nodes is supported (--nnodes "
-        "N with --node-rank, --master-addr and --master-port on each node; one node by "
-        "default); use --recover restart (the default) for an elastic MIN:MAX or a --hostfile"
+        f"--recover in-memory with {what}: only a fixed number of nodes is supported with the "
+        "static rendezvous (--nnodes N with --node-rank, --master-addr and --master-port on "
+        "each node; one node by default); an elastic --nnodes MIN:MAX needs the c10d "
+        "rendezvous (--rdzv-backend c10d --rdzv-endpoint HOST:PORT, HOST being node 0's, which "
+        "hosts the job's store); a --hostfile of many hosts needs --recover restart (the "
+        "default)"
     )
 
 
@@ -307,15 +313,23 @@ class JobEnd:
     why: str
     line: str
     restart: int = 0
+    node: int | None = None  # the node whose launcher ended it, where it said so
 
     def dumps(self) -> str:
-        return json.dumps({"why": self.why, "line": self.line, "restart": self.restart})
+        said = {"why": self.why, "line": self.line, "restart": self.restart, "node": self.node}
+        return json.dumps(said)
 
     @classmethod
     def loads(cls, text: str | bytes) -> JobEnd:
         try:
             said = json.loads(_text(text))
-            return cls(str(said["why"]), str(said["line"]), int(said["restart"]))
+            node = said.get("node")
+            return cls(
+                str(said["why"]),
+                str(said["line"]),
+                int(said["restart"]),
+                int(node) if node is not None else None,
+            )
         except (ValueError, KeyError, TypeError):  # a launcher of an older tandem: words only
             return cls(_text(text), _text(text), 0)
 
@@ -432,6 +446,12 @@ class InMemoryCoordinator(LocalCoordinator):
     rank. ``close`` (at the launcher's end, after every worker) stops the store (node 0) or
     drops the client.
     """
+
+    #: An elastic ``--nnodes MIN:MAX`` job (:class:`tandem.launch.membership.
+    #: ElasticInMemoryCoordinator`): nodes come and go, a fall-back restarts nothing.
+    elastic = False
+    #: This node arrived after the job formed: its workers join it as replacements do.
+    late = False
 
     def __init__(
         self,
@@ -611,9 +631,13 @@ class InMemoryCoordinator(LocalCoordinator):
             self.store.set(node_key(self.node_rank, "idle"), "1" if idle else "0")
             self._idle = idle
 
+    def nodes(self) -> list[int]:
+        """The job's nodes (many nodes): every node of a fixed ``--nnodes``."""
+        return list(range(self.nnodes))
+
     def others_idle(self) -> bool:
         """Many nodes: whether every other node is idle (:meth:`idle`), done, or silent."""
-        for node in range(self.nnodes):
+        for node in self.nodes():
             if node == self.node_rank or self.store.check([node_key(node, "done")]):
                 continue
             key = node_key(node, "idle")
@@ -649,7 +673,7 @@ class InMemoryCoordinator(LocalCoordinator):
             return 0, ""
         self.store.set(node_key(self.node_rank, "done"), "1")
         decision = launcher_key("next")
-        others = [n for n in range(self.nnodes) if n != self.node_rank]
+        others = [n for n in self.nodes() if n != self.node_rank]
         if self.node_rank != 0:
             while not self.store.check([decision]) and not stopped():
                 tick()
@@ -671,8 +695,15 @@ class InMemoryCoordinator(LocalCoordinator):
         elif end is not None:
             restart = end.restart
         self.store.set(decision, json.dumps({"restart": restart, "why": why}))
-        self._wait_for([n for n in others if n not in gone], "left", tick, stopped)
+        left = [n for n in others if n not in gone] + self._told_the_end()
+        self._wait_for(left, "left", tick, stopped)
         return restart, why
+
+    def _told_the_end(self) -> list[int]:
+        """Node 0, once it decided how the job's attempt ends: the nodes outside the job still
+        waiting to be admitted, told that it ended (none with a fixed ``--nnodes``); it keeps
+        the store until each has read it and left (or went silent)."""
+        return []
 
     def _wait_for(
         self, nodes: list[int], name: str, tick: Callable[[], None], stopped: Callable[[], bool]
@@ -792,6 +823,8 @@ class Fallback:
     restart: int = 0
     max_restarts: int = 0
     nodes: int = 1  # the job's: with many, every node stops (and restarts) its workers
+    # An elastic --nnodes MIN:MAX job: a fall-back stops every node's workers, restarts none.
+    elastic: bool = False
 
     @property
     def at(self) -> float:
@@ -825,6 +858,11 @@ def fallback_summary(fallback: Fallback) -> str:
             f"{text}restarting {every} from the last checkpoint (restart "
             f"{fallback.restart} of {fallback.max_restarts}; {FALLS_BACK})"
         )
+    if fallback.elastic:
+        return (
+            f"{text}stopping {every}; with --nnodes MIN:MAX nothing restarts them (start the "
+            f"job again to resume from the last checkpoint; {FALLS_BACK})"
+        )
     return (
         f"{text}stopping {every}; no restart is left to resume them from the last "
         f"checkpoint (--max-restarts {fallback.max_restarts}; {FALLS_BACK})"
@@ -853,6 +891,8 @@ def fallback_line(fallback: Fallback, started: float) -> str:
             f"{text}{every} restarted (restart {fallback.restart} of "
             f"{fallback.max_restarts}) from the last checkpoint"
         )
+    if fallback.elastic:
+        return f"{text}{every} stopped, not restarted (--nnodes MIN:MAX)"
     return f"{text}{every} stopped, no restart left (--max-restarts {fallback.max_restarts})"
 
 

@@ -33,6 +33,10 @@ restart forms a new round from the nodes that register for it:
 
 Node 0's death ends the job (its store is gone), as with torch's c10d backend.
 
+Under ``--recover in-memory`` there are no rounds: :class:`ElasticInMemoryCoordinator` forms the
+job once (the same MIN, MAX and last call), and a node arriving later joins the running job in
+memory, its workers admitted by the others at a step boundary.
+
 Example::
 
     settings = ElasticSettings(min_nodes=1, max_nodes=2, last_call=5.0)
@@ -53,6 +57,19 @@ from typing import Any
 
 from tandem.job.secret import key_scope
 from tandem.launch.failures import Failure
+from tandem.launch.in_memory import (
+    AGENT_STORE_VARIABLE,
+    HEARTBEAT_VARIABLE,
+    RECOVER_VARIABLE,
+    InMemoryCoordinator,
+    JobEnd,
+    _host_store,
+    _text,
+    launcher_key,
+    node_key,
+    unable,
+    why_unable,
+)
 from tandem.launch.rendezvous import (
     ROUND_VARIABLE,
     Attempt,
@@ -418,3 +435,278 @@ class JobEnded(LaunchError):
 
 def _say(message: str) -> None:
     print(f"tandem run: {message}", file=sys.stderr, flush=True)
+
+
+class ElasticInMemoryCoordinator(InMemoryCoordinator):
+    """``--recover in-memory`` with the c10d rendezvous (``--nnodes MIN:MAX``): the job forms
+    once from the nodes that arrive, and a node that arrives later (a node that was down comes
+    back) joins the *running* job in memory, with no restart of the others.
+
+    The endpoint's host is node 0: it hosts the job's store, which the workers use too, as a
+    fixed ``--nnodes N`` in-memory job's node 0 does (:class:`InMemoryCoordinator`). Each other
+    launcher takes a place in the store (an atomic counter: 1, 2, ... in order of arrival,
+    never given out twice), which is its node number for the job's life (its beat, its keys).
+
+    1. Forming (node 0): at once when MAX nodes are there; else, once MIN are, after the last
+       call (``last_call_timeout``) for more; ``join_timeout`` bounds the wait for MIN. The
+       first nodes to arrive, up to MAX, form the job: node ``i``'s workers get launch ranks
+       ``i * nproc_per_node + local_rank`` of ``nnodes * nproc_per_node``.
+    2. Running: every launcher beats in the store; node 0 watches the job's nodes. A node whose
+       beat stops for ``store_timeout`` (its launcher killed with its workers, its host down)
+       is gone: its workers were already left out by the survivors in memory, and nothing
+       restarts. If the nodes left are fewer than MIN (and no node waits to join), node 0 ends
+       the job on every node with a line that says so (as torchrun's MIN: the job does not run
+       on fewer); it can be started again to resume from its last checkpoint.
+    3. A node arriving after the job formed asks node 0 to be admitted. While fewer than MAX
+       nodes run, node 0 admits it: its launcher takes launch ranks from the job's counter
+       (:meth:`InMemoryCoordinator.launch_rank`, as a replacement's) and starts its workers as
+       replacements are started (``TANDEM_RECOVER_JOIN``); the members admit them at a step
+       boundary. This is growing back, not a restart: ``--max-restarts`` is not spent on it.
+       Node 0 admits it only once every member said it admits newcomers (the ``admits`` key
+       a replacement needs too); a member that said it cannot (no ``admits``, or not able to
+       recover in memory) gets the node refused, with why. While MAX nodes run, it waits
+       (and says so) until one is gone; if the job ends first, it is told so and ends with
+       status 0, nothing having run there.
+
+    A fall-back to ``restart`` (a loss the workers cannot recover in memory) stops every node's
+    workers and restarts none: the job ends, saying so.
+
+    Example::
+
+        settings = ElasticSettings(min_nodes=2, max_nodes=3, last_call=5.0)
+        coordinator = ElasticInMemoryCoordinator(settings, "10.0.0.1", 29400, 10.0, 8)
+        placement = coordinator.begin(0)   # this node's number, the nodes the job formed with
+    """
+
+    def __init__(
+        self,
+        settings: ElasticSettings,
+        addr: str,
+        port: int,
+        heartbeat_timeout: float,
+        nproc_per_node: int = 1,
+    ) -> None:
+        super().__init__(
+            addr,
+            port,
+            heartbeat_timeout,
+            nnodes=settings.max_nodes,
+            node_rank=0,
+            join_timeout=settings.join_timeout,
+        )
+        self.settings, self.nproc_per_node = settings, nproc_per_node
+        self.serving = is_store_host(addr, settings.is_host)
+        self.elastic = True
+        self._generation = 1  # node 0: the next generation of the workers to look for
+        self._members: list[int] | None = None  # ... and the latest one's members
+        self._looked = 0.0  # when node 0 last looked at the job's nodes (monotonic)
+        self._below: bool = False  # node 0 ended the job for fewer than MIN nodes
+
+    @property
+    def many(self) -> bool:
+        return True  # even a job formed of one node may grow
+
+    def nodes(self) -> list[int]:
+        """The job's nodes: those it formed with, then each admitted later."""
+        key = launcher_key("nodes")
+        if self.store is None or not self.store.check([key]):
+            return [self.node_rank]
+        return [int(n) for n in json.loads(_text(self.store.get(key)))]
+
+    def begin(self, attempt: int) -> Attempt:
+        if attempt:  # a fall-back restarts nothing here (see the class's docstring)
+            raise LaunchError("--recover in-memory with --nnodes MIN:MAX restarts no attempt")
+        env = {
+            AGENT_STORE_VARIABLE: "True",
+            ROUND_VARIABLE: "0",
+            RECOVER_VARIABLE: "in-memory",
+            HEARTBEAT_VARIABLE: f"{self.heartbeat_timeout:g}",
+        }
+        if self.serving:
+            self._form()
+        else:
+            self._arrive()
+        return Attempt(self.addr, self.where[1], env, self.node_rank, self.nnodes, 0, True)
+
+    def _form(self) -> None:
+        """Node 0: host the store, wait for MIN nodes and the last call (or MAX), write the
+        job's nodes."""
+        s = self.settings
+        addr, port = self.where
+        self.store, _ = _host_store(addr, port)
+        warn_without_secret(key_scope(), addr, port)
+        self.store.set(launcher_key("attempt"), "0")
+        self.store.set(node_key(0, "joined"), "1")
+        started, quorum_at = time.monotonic(), None
+        while True:
+            count = int(self.store.add(launcher_key("arrivals"), 0))
+            now = time.monotonic()
+            if 1 + count >= s.min_nodes and quorum_at is None:
+                quorum_at = now
+            if 1 + count >= s.max_nodes or (
+                quorum_at is not None and now - quorum_at >= s.last_call
+            ):
+                break
+            if quorum_at is None and now - started > s.join_timeout:
+                raise LaunchError(
+                    f"only {1 + count} of at least {s.min_nodes} nodes (--nnodes "
+                    f"{s.min_nodes}:{s.max_nodes}) reached the job's store at {addr}:{port} "
+                    f"within join_timeout={s.join_timeout:g} s: start `tandem run` with the "
+                    "same --rdzv-endpoint on the others, or give them longer (--rdzv-conf "
+                    "join_timeout=SECONDS)"
+                )
+            time.sleep(_POLL_S)
+        self.nnodes = min(1 + count, s.max_nodes)
+        self.store.set(launcher_key("nodes"), json.dumps(list(range(self.nnodes))))
+        self.store.set(launcher_key("formed"), str(self.nnodes))
+
+    def _arrive(self) -> None:
+        """Every other node: take a place; one of the job's first nodes, or one arriving
+        later, which waits until node 0 admits it (:meth:`_admitted`)."""
+        s = self.settings
+        self.store = self._connect(0)
+        self.node_rank = int(self.store.add(launcher_key("arrivals"), 1))
+        self.store.set(node_key(self.node_rank, "joined"), "1")
+        deadline = time.monotonic() + s.join_timeout
+        formed = launcher_key("formed")
+        while not self.store.check([formed]):
+            if time.monotonic() > deadline:
+                raise LaunchError(
+                    f"node 0 at {self.addr}:{self.port} formed no job within join_timeout="
+                    f"{s.join_timeout:g} s (--nnodes {s.min_nodes}:{s.max_nodes}: fewer than "
+                    "MIN nodes came?)"
+                )
+            time.sleep(_POLL_S)
+        self.nnodes = int(_text(self.store.get(formed)))
+        if self.node_rank >= self.nnodes:
+            self.late = True
+            self._admitted(deadline)
+
+    def _admitted(self, deadline: float) -> None:
+        """A node arriving after the job formed: ask node 0, beat, and wait until it admits
+        this node; say so once if the job runs at MAX meanwhile. The job's end raises
+        :class:`JobEnded`."""
+        s = self.settings
+        me = self.node_rank
+        self.store.set(node_key(me, "asks"), "1")
+        said = False
+        while not self.store.check([node_key(me, "admitted")]):
+            self.beat()
+            refused = node_key(me, "refused")
+            if self.store.check([refused]):
+                self.store.set(node_key(me, "left"), "1")
+                raise LaunchError(_text(self.store.get(refused)))
+            if self.store.check([launcher_key("closed")]) or self.ended() is not None:
+                self.store.set(node_key(me, "left"), "1")
+                raise JobEnded("the job ended before this node was admitted; nothing ran here")
+            full = node_key(me, "full")
+            if not said and self.store.check([full]):
+                said = True
+                _say(
+                    f"the job at {self.addr}:{self.port} runs on {_text(self.store.get(full))} "
+                    f"nodes, its --nnodes maximum {s.max_nodes}: this node waits until one of "
+                    "them is gone, then joins (or ends when the job does)"
+                )
+            if time.monotonic() > deadline:
+                raise LaunchError(
+                    f"this node waited join_timeout={s.join_timeout:g} s to be admitted into "
+                    f"the job at {self.addr}:{self.port} (it runs on its --nnodes maximum "
+                    f"{s.max_nodes}; --rdzv-conf join_timeout=SECONDS)"
+                )
+            time.sleep(_POLL_S)
+        _say(
+            f"the job runs already: this node (node {me}) joins it, its workers admitted by "
+            "the others at their next step (--recover in-memory)"
+        )
+
+    def beat(self) -> None:
+        super().beat()
+        if self.serving and self.store is not None:
+            now = time.monotonic()
+            if now - self._looked >= _ASK_EVERY_S:
+                self._looked = now
+                self._look()
+
+    def _look(self) -> None:
+        """Node 0, while the job runs: admit the nodes asking while fewer than MAX run (the
+        others are told to wait), and end the job if fewer than MIN are left."""
+        s = self.settings
+        store = self.store
+        if store.check([launcher_key("closed")]) or self._below:
+            return
+        nodes = self.nodes()
+        done = {n for n in nodes if store.check([node_key(n, "done")])}
+        gone = [n for n in nodes if n != 0 and n not in done and self.silent(n)]
+        running = [n for n in nodes if n not in gone]
+        arrivals = int(store.add(launcher_key("arrivals"), 0))
+        asking = [
+            n
+            for n in range(self.nnodes, arrivals + 1)
+            if n not in nodes
+            and store.check([node_key(n, "asks")])
+            and not store.check([node_key(n, "left")])
+        ]
+        admits = self._admitting() if asking else None
+        for node in asking:
+            if isinstance(admits, str):
+                store.set(node_key(node, "refused"), admits)
+            elif done or not admits:  # the job ends (it is told so), or the workers start
+                continue
+            elif len(running) < s.max_nodes:
+                nodes.append(node)
+                running.append(node)
+                store.set(launcher_key("nodes"), json.dumps(nodes))
+                store.set(node_key(node, "admitted"), "1")
+                _say(f"node {node} joins the running job ({len(running)} nodes now)")
+            elif not store.check([node_key(node, "full")]):
+                store.set(node_key(node, "full"), str(len(running)))
+        if len(running) < s.min_nodes and not done:
+            self._below = True
+            lost = ", ".join(map(str, gone))
+            why = (
+                f"node(s) {lost} went silent (no `tandem run` beat for {self.store_timeout:g} "
+                f"s: killed, host down, or cut off) and {len(running)} node(s) are left, fewer "
+                f"than the --nnodes minimum {s.min_nodes}: every node's workers are stopped (the "
+                "job does not run on fewer than MIN nodes; start it again to resume from its "
+                "last checkpoint)"
+            )
+            line = (
+                f"node(s) {lost} lost; {len(running)} node(s) left, fewer than --nnodes MIN "
+                f"{s.min_nodes}: every worker on every node stopped"
+            )
+            self.end_job(JobEnd(why, line, 0, node=0))
+
+    def _admitting(self) -> bool | str:
+        """Node 0: whether the job's members admit newcomers: True once every one said it
+        does (:func:`admits_key`: ``tandem.recovery.Run``, the Trainer), False while some have
+        not said yet whether they recover in memory, or why not (a member said it recovers
+        in memory but admits no newcomer: a node arriving can never join)."""
+        while True:  # the latest generation the workers decided
+            decided = self.members(self._generation)
+            if decided is None:
+                break
+            self._members, self._generation = decided, self._generation + 1
+        latest = self._members or list(range(self.nnodes * self.nproc_per_node))
+        members = [r for r in latest if r not in self.dead(latest)]
+        said = self.able(members)
+        if any(value is None for value in said.values()):
+            return False
+        if self.admits(members):
+            return True
+        why = unable(said)
+        return (
+            f"the job at {self.addr}:{self.port} cannot take this node: its workers (ranks "
+            f"{', '.join(map(str, members))}) admit no newcomer ("
+            + (why_unable(why) if why else "they recover in memory but hand no newcomer the state")
+            + "; tandem.Trainer and tandem.recovery.Run do)"
+        )
+
+    def _told_the_end(self) -> list[int]:
+        self.store.set(launcher_key("closed"), "1")
+        nodes = set(self.nodes())
+        arrivals = int(self.store.add(launcher_key("arrivals"), 0))
+        return [
+            n
+            for n in range(self.nnodes, arrivals + 1)
+            if n not in nodes and self.store.check([node_key(n, "asks")])
+        ]

@@ -20,16 +20,16 @@ Per attempt:
    against ``--max-restarts``, as in torch's agent); each round may give this node another
    rank and the job another size.
 
-Under ``--recover in-memory`` (``in_memory.py``; one node, or a fixed number of nodes) a worker
-that fails is recorded and announced in the job's store (which the launcher, node 0's, hosts),
-the others go on, and the job ends
-when every worker has exited: successfully if one ran to completion. Unless a worker still
-running did not say it recovers in memory (a sharded Trainer, a plain script): then the job
-falls back to ``restart`` (every worker stopped, and started again with a fresh store while
-``--max-restarts`` allows; with many nodes every node's workers, together). Each node's
-launcher watches its own workers and replaces its own lost ones (``--max-restarts`` per node);
-node 0's hosts the store until the others are done, and a launcher that loses the store ends.
-The exit summary lists each recovery and fall-back.
+Under ``--recover in-memory`` (``in_memory.py``; one node, a fixed number of nodes, or an
+elastic ``MIN:MAX`` formed once, whose nodes arriving later start their workers as joiners) a
+worker that fails is recorded and announced in the job's store (which the launcher, node 0's,
+hosts), the others go on, and the job ends when every worker has exited: successfully if one ran
+to completion. Unless a worker still running did not say it recovers in memory (a sharded
+Trainer, a plain script): then the job falls back to ``restart`` (every worker stopped, and
+started again with a fresh store while ``--max-restarts`` allows; with many nodes every node's
+workers, together). Each node's launcher watches its own workers and replaces its own lost ones
+(``--max-restarts`` per node); node 0's hosts the store until the others are done, and a
+launcher that loses the store ends. The exit summary lists each recovery and fall-back.
 
 SIGINT, SIGTERM and SIGUSR1 sent to the launcher are passed to every worker.
 
@@ -333,6 +333,17 @@ class Supervisor:
         while True:
             placement = coordinator.begin(attempt)  # a fresh store each attempt
             began = time.time()
+            if placement.elastic:  # --nnodes MIN:MAX: this node's number, the job's first size
+                self.spec = dataclasses.replace(
+                    self.spec, node_rank=placement.node_rank, nnodes=placement.nnodes
+                )
+                if not coordinator.late:
+                    first = self.spec.global_rank(0)
+                    _say(
+                        f"the job formed with {placement.nnodes} node(s), world size "
+                        f"{self.spec.world_size}: this is node {placement.node_rank} (ranks "
+                        f"{first}..{first + self.spec.nproc_per_node - 1} here)"
+                    )
             self._start(attempt, restarts, placement)
             lost, fallback, ended_by = self._in_memory_attempt(coordinator, restarts)
             ended = time.time()
@@ -369,15 +380,25 @@ class Supervisor:
             if refused:
                 _say(f"no restart: {refused}")
             if ended_by is not None:
-                _say(
-                    f"another node ended the job; this node's workers were stopped: {ended_by.why}"
-                )
+                if ended_by.node == self.spec.node_rank:  # this node decided it
+                    _say(f"the job ends: {ended_by.why}")
+                else:
+                    _say(
+                        "another node ended the job; this node's workers were stopped: "
+                        f"{ended_by.why}"
+                    )
                 self._say_checkpoint(ended)
                 return 1
             if fallback is not None:
                 self._say_checkpoint(ended)
                 return fallback.lost[0].exit_code()
             if any(w.proc.returncode == 0 for w in self.workers):  # one ran to completion
+                return 0
+            if not lost:  # a node that joined a running job whose end came first
+                _say(
+                    "the job ended before this node's workers were admitted; nothing ran here "
+                    "(--recover in-memory)"
+                )
                 return 0
             failure = lost[0]
             members = [w for w in self.workers if w.rank not in self.unadmitted]
@@ -435,7 +456,9 @@ class Supervisor:
         # The members of the job's latest generation (launch ranks, every node's): a
         # replacement not yet admitted is not one.
         members = set(range(self.spec.world_size))
-        waiting: set[int] = set()  # replacements started here, not admitted yet
+        # Replacements started here, not admitted yet (a node that joined a running job:
+        # each of its workers).
+        waiting: set[int] = {w.rank for w in running} if coordinator.late else set()
         dismissed: set[int] = set()  # ... and stopped, the job having ended first
         while running and self.stop_signal is None:
             if many:
@@ -506,8 +529,9 @@ class Supervisor:
                     members_left = [w.rank for w in running if w.rank not in waiting]
                 why = unable(coordinator.able(members_left)) if members_left else {}
                 nobody = not members_left and not completed
-                if why or (nobody and restarts < self.spec.max_restarts):
-                    left = restarts < self.spec.max_restarts
+                elastic = coordinator.elastic
+                if why or (nobody and restarts < self.spec.max_restarts and not elastic):
+                    left = restarts < self.spec.max_restarts and not elastic
                     for worker, _ in failed:
                         worker.signal(signal.SIGKILL)  # its children, in its process group
                     fallback = Fallback(
@@ -516,6 +540,7 @@ class Supervisor:
                         restart=restarts + 1 if left else 0,
                         max_restarts=self.spec.max_restarts,
                         nodes=self.spec.nnodes,
+                        elastic=elastic,
                     )
                     summary = fallback_summary(fallback)
                     if many:  # every other node stops its workers too; the first end stands
@@ -617,15 +642,28 @@ class Supervisor:
         self.workers = []
         if spec.logs is not None:
             spec.logs.begin(attempt)
+        # A node arriving while an elastic in-memory job runs: its workers join it as
+        # replacements do, each with a launch rank from the job's counter.
+        coordinator = self.coordinator
+        late = isinstance(coordinator, InMemoryCoordinator) and coordinator.late
         for local_rank in range(spec.nproc_per_node):
             rank = spec.global_rank(local_rank)
             env = dict(base, RANK=str(rank), LOCAL_RANK=str(local_rank), ROLE_RANK=str(rank))
+            if late:
+                assert isinstance(coordinator, InMemoryCoordinator)
+                rank = coordinator.launch_rank(spec.world_size)
+                env.update(
+                    RANK=str(rank),
+                    ROLE_RANK=str(rank),
+                    WORLD_SIZE=str(rank + 1),  # a consistent pair until the members admit it
+                    TANDEM_RECOVER_JOIN=str(rank),
+                )
             if spec.virtual_local_rank:
                 env.update(virtual_local_rank(local_rank, os.environ.get("CUDA_VISIBLE_DEVICES")))
             rank_dir = spec.logs.rank_dir(local_rank) if spec.logs is not None else None
             if rank_dir is not None:  # where torch's @record writes the worker's traceback
                 env["TORCHELASTIC_ERROR_FILE"] = str(rank_dir / "error.json")
-            self.workers.append(Worker(spec, local_rank, env, spec.logs, self.console))
+            self.workers.append(Worker(spec, local_rank, env, spec.logs, self.console, rank))
 
     def _watch(self, round: int) -> Failure | Restart | None:
         """Until all workers succeed (None), one fails, another node fails, the membership

@@ -1,0 +1,368 @@
+"""`tandem run --recover in-memory --nnodes MIN:MAX`: a node that was down rejoins the running job.
+
+Each node is a network namespace behind one switch (:mod:`tests.launch.netns_switch`) running
+its own `tandem run --nnodes MIN:MAX --rdzv-backend c10d --rdzv-endpoint NODE0:PORT --recover
+in-memory --heartbeat-timeout 2` of one rank of the recovery tests' worker
+(:mod:`tests.recovery.recovery_worker`); node 0 (the endpoint's host) hosts the job's store.
+The other nodes are numbered in order of arrival, so the test finds which namespace holds a
+node by its launcher's line. Proves:
+
+- **a node down and back** (``--nnodes 2:3``, 3 nodes): the node of rank 2 (its launcher and
+  its worker: the launcher's process group SIGKILLed while rank 2 waits before its backward at
+  step 3) is lost; ranks 0 and 1 go on in memory, nothing is restarted; the same `tandem run`
+  started again on that namespace joins the running job: its worker gets launch rank 3 (the
+  job's counter) and is admitted at a step boundary, with no ``--max-restarts`` given (growing
+  back is no restart). The run ends **bitwise** where the chain of saves and resumes with the
+  observed membership schedule ends (3 ranks to step 3, 2 ranks to the admission, 3 to the
+  end); every launcher but the killed one exits 0; every process is accounted for;
+- **fewer than MIN left** (``--nnodes 3:3``): the node of rank 2 killed; once its beat is stale
+  node 0 ends the job on every node, saying that 2 nodes are left of at least 3; both launchers
+  end non-zero within seconds and leave nothing behind;
+- **a node arriving at MAX** (``--nnodes 1:2``, a third node started while two run): it waits,
+  saying the job runs on its maximum of 2 nodes; when the job ends it is told so and ends 0,
+  having started no worker.
+
+Cheap, in-process: the flags' checks (a static MIN:MAX, MIN > MAX, a host file of many hosts,
+c10d without an endpoint, a heartbeat timeout of 0 are refused naming the value; a c10d
+MIN:MAX is accepted); node 0's decisions over a real TCPStore (a node asking while MAX run is
+told to wait, then admitted once a node's beat is stale; one asking while a member admits no
+newcomer is refused, naming the ranks; fewer than MIN left ends the job, naming the nodes);
+a fall-back's lines under MIN:MAX say that nothing restarts.
+
+Skipped, with the reason, where network namespaces or a bridge cannot be made.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from tandem.cli import build_parser
+from tandem.cli.run import build_spec, run_command
+from tandem.launch.rendezvous import LaunchError
+from tests.launch.netns_switch import Switch
+from tests.launch.test_recover_nodes import chain, naming
+from tests.launch.test_recover_partition import PORT, Launchers, start_nodes
+from tests.recovery.test_recovery import assert_equal_runs, leftovers
+
+pytestmark = [pytest.mark.launch, pytest.mark.xdist_group("recovery")]
+
+WORKER = "tests.recovery.recovery_worker"
+EPOCHS = ("--epochs", "2")
+
+
+class Nodes(Launchers):
+    """One elastic `tandem run` per namespace (started with :meth:`start`: again after a kill),
+    one rank each; the outputs in files, one per launcher started."""
+
+    def __init__(self, net: Switch, directory: Path, nnodes: str, worker: list[str]) -> None:
+        super().__init__([], [])
+        self.net, self.directory, self.nnodes, self.worker = net, directory, nnodes, worker
+        self.where: list[int] = []  # the namespace of each launcher started
+
+    def meet(self, namespace: int) -> list[str]:
+        endpoint = f"{self.net.nodes[0].address}:{PORT}"
+        return [
+            "--nnodes", self.nnodes, "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
+            "--rdzv-conf", f"is_host={int(namespace == 0)},last_call_timeout=20",
+        ]  # fmt: skip
+
+    def start(self, namespace: int) -> int:
+        """Start `tandem run` on ``namespace``; its index among the launchers started."""
+        log = self.directory / f"launcher{len(self.procs)}.log"
+        (proc,) = start_nodes(
+            self.net, [log], 1, self.worker, meet=self.meet, only=[namespace]
+        )  # fmt: skip
+        self.logs.append(log)
+        self.procs.append(proc)
+        self.where.append(namespace)
+        return len(self.procs) - 1
+
+    def shown(self) -> str:
+        return "\n".join(
+            f"--- launcher {i} on namespace {self.where[i]} (exit {p.poll()}) ---\n"
+            f"{self.text(i)[-6000:]}"
+            for i, p in enumerate(self.procs)
+        )
+
+    def wait_for(self, launcher: int, pattern: str, within: float = 90) -> re.Match[str]:
+        """The first match of ``pattern`` in ``launcher``'s output, once it is there."""
+        deadline = time.monotonic() + within
+        while True:
+            found = re.search(pattern, self.text(launcher), re.M)
+            if found:
+                return found
+            if time.monotonic() > deadline or self.procs[launcher].poll() is not None:
+                pytest.fail(f"launcher {launcher} never said {pattern!r}\n{self.shown()}")
+            time.sleep(0.1)
+
+    def holding(self, node: int, among: list[int], within: float = 90) -> int:
+        """Which of the launchers ``among`` is node ``node`` of the job (its line says so)."""
+        deadline = time.monotonic() + within
+        while time.monotonic() < deadline:
+            for i in among:
+                if f"this is node {node} (" in self.text(i):
+                    return i
+            time.sleep(0.1)
+        pytest.fail(f"no launcher said it is node {node}\n{self.shown()}")
+
+    def kill(self, launcher: int) -> None:
+        """SIGKILL ``launcher``'s process group: the launcher; its workers die with it."""
+        os.killpg(self.procs[launcher].pid, signal.SIGKILL)
+        self.procs[launcher].wait()
+
+    def accounted_for(self, out: Path) -> None:
+        """No launcher (nor its session), no worker that wrote a pid file (nor its process
+        group), and no process naming the test's directory is left."""
+        pids = {int(p.read_text()) for p in out.parent.glob(f"{out.name}.pid-*")}
+        pids |= {p.pid for p in self.procs}
+        deadline = time.monotonic() + 5
+        while (leftovers(pids) or naming(self.directory)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not leftovers(pids), f"{leftovers(pids)}\n{self.shown()}"
+        assert not naming(self.directory), f"{naming(self.directory)}\n{self.shown()}"
+
+
+@contextlib.contextmanager
+def nodes(net: Switch, directory: Path, nnodes: str, worker: list[str]) -> Iterator[Nodes]:
+    started = Nodes(net, directory, nnodes, worker)
+    try:
+        yield started
+    finally:
+        started.stop()
+
+
+def paused(out: Path, rank: int, within: float = 90) -> None:
+    deadline = time.monotonic() + within
+    while not out.with_name(f"{out.name}.paused-{rank}").exists():
+        assert time.monotonic() < deadline, f"rank {rank} never paused"
+        time.sleep(0.05)
+
+
+def go(out: Path, rank: int) -> None:
+    out.with_name(f"{out.name}.go-{rank}").touch()
+
+
+@pytest.mark.timeout(300)
+def test_a_node_that_was_down_rejoins_the_running_job_and_the_run_equals_its_schedule(
+    net_of, tmp_path
+):
+    net = net_of(3)
+    out = tmp_path / "rejoined.pt"
+    worker = ["-m", WORKER, str(out), *EPOCHS, "--step-sleep", "0.05"]
+    # Rank 2 waits before its backward at step 3 (its node is killed there); rank 0 waits at
+    # step 6 until the rejoined worker has asked to join, so that the run does not end first.
+    worker += ["--pause", "2:3", "--pause", "0:6"]
+    with nodes(net, tmp_path, "2:3", worker) as run:
+        for namespace in range(3):
+            run.start(namespace)
+        victim = run.holding(2, [0, 1, 2])
+        paused(out, 2)
+        run.kill(victim)
+        paused(out, 0)  # ranks 0 and 1 went on in memory to step 6
+        back = run.start(run.where[victim])  # the same `tandem run`, on the same namespace
+        run.wait_for(back, r"this node \(node \d+\) joins it")
+        deadline = time.monotonic() + 60
+        while not out.with_name(f"{out.name}.pid-3").exists():
+            assert time.monotonic() < deadline, run.shown()
+            time.sleep(0.1)
+        time.sleep(3.0)  # it asked to join (a moment after its start)
+        go(out, 0)
+        codes = run.finish(120)
+        run.accounted_for(out)
+    shown = run.shown()
+    assert [c for i, c in enumerate(codes) if i != victim] == [0, 0, 0], shown
+    for i in range(len(codes)):  # nothing was restarted, no replacement started
+        assert "restart" not in run.text(i).replace("--max-restarts", ""), shown
+        assert "starting rank" not in run.text(i), shown
+    assert "[rank 3]" in run.text(back), shown
+
+    rejoined = torch.load(out, weights_only=True)
+    recoveries = rejoined["recoveries"]
+    assert [(r["lost"], r["step"], r["members"]) for r in recoveries[:1]] == [([2], 3, [0, 1])]
+    assert [(r["lost"], r.get("joined"), r["members"]) for r in recoveries[1:]] == [
+        ([], [3], [0, 1, 3])
+    ], recoveries
+    assert rejoined["world_size"] == 3
+    assert f"replacement rank 3 admitted after step {recoveries[1]['step']}" in run.text(0)
+    (tmp_path / "oracle").mkdir()
+    assert_equal_runs(rejoined, chain(tmp_path / "oracle", 3, recoveries, EPOCHS))
+
+
+@pytest.mark.timeout(200)
+def test_fewer_than_min_nodes_left_ends_the_job_on_every_node_saying_so(net_of, tmp_path):
+    net = net_of(3)
+    out = tmp_path / "below.pt"
+    # Rank 0 waits at step 6 for a go that never comes: only its launcher can end the job.
+    worker = ["-m", WORKER, str(out), *EPOCHS, "--pause", "2:3", "--pause", "0:6"]
+    with nodes(net, tmp_path, "3:3", worker) as run:
+        for namespace in range(3):
+            run.start(namespace)
+        victim = run.holding(2, [0, 1, 2])
+        paused(out, 2)
+        run.kill(victim)
+        killed = time.monotonic()
+        codes = run.finish(60)
+        took = time.monotonic() - killed
+        run.accounted_for(out)
+    shown = run.shown()
+    rest = [i for i in range(3) if i != victim]
+    assert [codes[i] for i in rest] == [1, 1], shown
+    why = (
+        "node(s) 2 went silent (no `tandem run` beat for 5 s: killed, host down, or cut off) "
+        "and 2 node(s) are left, fewer than the --nnodes minimum 3: every node's workers are "
+        "stopped"
+    )
+    host, other = rest  # launcher 0 runs on namespace 0: node 0
+    assert f"tandem run: the job ends: {why}" in run.text(host), shown
+    assert f"another node ended the job; this node's workers were stopped: {why}" in (
+        run.text(other)
+    ), shown
+    for i in rest:
+        assert re.search(
+            r"^tandem run: recovery \d: node\(s\) 2 lost; 2 node\(s\) left, fewer than --nnodes "
+            r"MIN 3: every worker on every node stopped$",
+            run.text(i),
+            re.M,
+        ), shown
+    assert not out.exists(), shown  # the job did not run on to its end
+    assert took < 30, shown
+
+
+@pytest.mark.timeout(200)
+def test_a_node_arriving_while_max_nodes_run_waits_and_is_told_the_job_ended(net_of, tmp_path):
+    net = net_of(3)
+    out = tmp_path / "full.pt"
+    worker = ["-m", WORKER, str(out), *EPOCHS, "--pause", "0:2"]
+    with nodes(net, tmp_path, "1:2", worker) as run:
+        run.start(0)
+        run.start(1)
+        run.wait_for(0, r"the job formed with 2 node\(s\)")
+        late = run.start(2)
+        run.wait_for(late, r"runs on 2 nodes, its --nnodes maximum 2: this node waits")
+        paused(out, 0)
+        go(out, 0)
+        codes = run.finish(90)
+        run.accounted_for(out)
+    shown = run.shown()
+    assert codes == [0, 0, 0], shown
+    assert "the job ended before this node was admitted; nothing ran here" in run.text(late)
+    assert "[rank" not in run.text(late), shown
+    assert sorted(p.name for p in tmp_path.glob("full.pt.pid-*")) == [
+        "full.pt.pid-0",
+        "full.pt.pid-1",
+    ], shown
+    assert torch.load(out, weights_only=True)["world_size"] == 2
+
+
+def _spec(*argv: str):
+    return build_spec(build_parser().parse_args(["run", "--recover", "in-memory", *argv, "t.py"]))
+
+
+def test_the_flags_of_an_elastic_in_memory_job_are_checked_naming_the_value(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "t.py").write_text("")
+    c10d = ("--rdzv-backend", "c10d", "--rdzv-endpoint", "10.0.0.1:29400")
+    _, meeting = _spec("--nnodes", "2:3", *c10d)
+    assert meeting.backend == "c10d" and meeting.elastic is not None
+    assert (meeting.elastic.min_nodes, meeting.elastic.max_nodes) == (2, 3)
+    with pytest.raises(LaunchError, match=r"--nnodes 1:2: only a fixed number of nodes .*c10d"):
+        _spec("--nnodes", "1:2", "--master-addr", "10.0.0.1", "--node-rank", "0")
+    with pytest.raises(LaunchError, match="--nnodes '3:2': MIN 3 is larger than MAX 2"):
+        _spec("--nnodes", "3:2", *c10d)
+    with pytest.raises(LaunchError, match="--nnodes 1:2 needs --rdzv-endpoint"):
+        _spec("--nnodes", "1:2", "--rdzv-backend", "c10d")
+    with pytest.raises(LaunchError, match="--heartbeat-timeout 0 must be > 0"):
+        _spec("--nnodes", "2:3", *c10d, "--heartbeat-timeout", "0")
+    hosts = tmp_path / "hosts"
+    hosts.write_text("node-a slots=1\nnode-b slots=1\n")
+    args = build_parser().parse_args(
+        ["run", "--recover", "in-memory", "--hostfile", str(hosts), "--nnodes", "1:2", "t.py"]
+    )
+    with pytest.raises(LaunchError, match="--hostfile of 2 hosts: only a fixed number"):
+        run_command(args)
+
+
+def test_node_0_admits_below_max_refuses_where_nobody_admits_and_ends_below_min():
+    """Node 0's part alone, in-process, over a real TCPStore: the decisions the namespace tests
+    see end to end, each case at once (the beat's timeout shortened to 0.3 s)."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    from tandem.launch.in_memory import able_key, admits_key, launcher_key, members_key, node_key
+    from tandem.launch.membership import ElasticInMemoryCoordinator, ElasticSettings
+
+    store = TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=10), wait_for_workers=False)
+    node0 = ElasticInMemoryCoordinator(ElasticSettings(2, 3), "127.0.0.1", store.port, 2.0)
+    node0.serving, node0.store, node0.nnodes, node0.store_timeout = True, store, 3, 0.3
+    store.set(launcher_key("nodes"), "[0, 1, 2]")
+    for rank in range(3):
+        store.set(able_key(rank), "1")
+        store.set(admits_key(rank), "1")
+
+    def ask(node: int) -> None:
+        store.add(launcher_key("arrivals"), 1)
+        store.set(node_key(node, "asks"), "1")
+
+    def look_while(beating: list[int], seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            for node in beating:
+                store.add(node_key(node, "beat"), 1)
+            node0._look()
+            time.sleep(0.05)
+
+    store.add(launcher_key("arrivals"), 2)  # nodes 1 and 2 formed the job with node 0
+    ask(3)
+    look_while([1, 2], 0.5)  # three nodes run: MAX
+    assert store.get(node_key(3, "full")) == b"3"
+    assert not store.check([node_key(3, "admitted")])
+    look_while([1, 3], 0.6)  # node 2 went silent: node 3 takes its place
+    assert store.check([node_key(3, "admitted")])
+    assert node0.nodes() == [0, 1, 2, 3]
+    assert node0.ended() is None
+
+    # The workers re-formed and admitted rank 3, which admits no newcomer: node 4 is refused.
+    store.set(members_key(1), "[0, 1]")
+    store.set(members_key(2), "[0, 1, 3]")
+    store.set(able_key(3), "1")
+    ask(4)
+    look_while([1, 3], 0.2)
+    refused = store.get(node_key(4, "refused")).decode()
+    assert "cannot take this node: its workers (ranks 0, 1, 3) admit no newcomer" in refused
+    assert node0.nodes() == [0, 1, 2, 3]
+
+    look_while([], 0.6)  # nodes 1 and 3 went silent: 1 node left, fewer than MIN 2
+    end = node0.ended()
+    assert end is not None and end.node == 0 and end.restart == 0, end
+    assert "node(s) 1, 2, 3 went silent" in end.why, end  # every node of the job gone
+    assert "1 node(s) are left, fewer than the --nnodes minimum 2" in end.why, end
+
+
+def test_a_fall_back_under_min_max_says_that_nothing_restarts_whatever_max_restarts_says():
+    """With ``--nnodes MIN:MAX`` a fall-back restarts nobody (the launcher asks for restart 0):
+    its lines say so rather than "no restart left", which would blame ``--max-restarts``."""
+    from tandem.launch.failures import Failure
+    from tandem.launch.in_memory import Fallback, fallback_line, fallback_summary
+
+    lost = (Failure(1, 0, "vm", -9, (), at=107.0),)
+    fallback = Fallback(lost, {0: "sharded"}, restart=0, max_restarts=3, nodes=2, elastic=True)
+    assert fallback_summary(fallback) == (
+        "tandem run: rank 1 (killed by SIGKILL) was lost and rank 0 cannot be recovered in "
+        "memory (sharded): stopping every worker on every node; with --nnodes MIN:MAX nothing "
+        "restarts them (start the job again to resume from the last checkpoint; --recover "
+        "in-memory falls back to restart)"
+    )
+    assert fallback_line(fallback, started=100.0) == (
+        "rank 1 (killed by SIGKILL) lost 7.0 s into the run; not recoverable in memory (rank 0: "
+        "sharded): every worker on every node stopped, not restarted (--nnodes MIN:MAX)"
+    )
