@@ -317,15 +317,18 @@ class Membership:
     def gone(self, store: dist.Store | None = None) -> set[int]:
         return set(self.dead(store)) | self.silent(store)
 
-    def publish(self, step: int, value: str, committed: int | None) -> None:
+    def publish(
+        self, step: int, value: str, committed: int | None, store: dist.Store | None = None
+    ) -> None:
         """Leave this rank's own state as ``step`` leaves it (``value``) where a survivor finds
         it if this rank is lost: in one of its :data:`OWN_SLOTS` keys, and only if it changed
         (:func:`slot_to_write`; a model that draws no random numbers makes no store call).
-        ``committed``: the last step this rank committed."""
+        ``committed``: the last step this rank committed. ``store``: another client of the
+        job's store (the vote's sender thread has its own); one thread publishes at a time."""
         slot = slot_to_write(self.own, step, value, committed)
         if slot is None:
             return
-        self.store.set(self.key("own", self.me, slot), f"{step} {value}")
+        (store or self.store).set(self.key("own", self.me, slot), f"{step} {value}")
         self.own[slot] = (step, value)
 
     def own_value(self, rank: int, step: int) -> str:
@@ -499,46 +502,179 @@ class _Heartbeat(threading.Thread):
             os._exit(1)
 
 
+class StateAfterVoteError(RuntimeError):
+    """A member's own state moved after a step's vote (its step function drew random numbers
+    after its backward, say): the state a survivor would have loaded for that step was not the
+    one the step left. Raised on every member at the next step's commit, naming the ranks.
+
+    Example::
+
+        try:
+            run.step(train_step)
+        except tandem.recovery.StateAfterVoteError as error:
+            print(error)  # on every rank: the ranks, the step, and what to change
+            raise
+    """
+
+
+class _Sender(threading.Thread):
+    """Takes this rank's own state and leaves it in the store off the step's path: the vote
+    hands it a step as the backward starts (:meth:`_BucketVote.starting`), and the last bucket
+    waits for it only if it is not done by then (:meth:`_BucketVote.entering`).
+
+    It has a store client of its own (a client serves one thread: the main thread's may be
+    inside a re-form's calls while this one still sends), made on its first job, off the
+    path. Jobs run in the order given; a job's result (the raw words of the generators when
+    it started, and the state it left) or its error is kept for the vote."""
+
+    def __init__(self, members: Membership) -> None:
+        super().__init__(name="tandem-commit-sender", daemon=True)
+        self.members = members
+        self.store: dist.Store | None = None
+        self.cond = threading.Condition()
+        self.jobs: list[tuple[int, int, Callable[[], str]]] = []  # step, committed, own
+        self.result: tuple[int, int, tuple[Any, ...] | None, str] | BaseException | None = None
+
+    def give(self, step: int, committed: int, own: Callable[[], str]) -> None:
+        with self.cond:
+            self.jobs.append((step, committed, own))
+            self.cond.notify()
+
+    def run(self) -> None:
+        while True:
+            with self.cond:
+                while not self.jobs:
+                    self.cond.wait()
+                step, committed, own = self.jobs[0]
+            result: tuple[int, int, tuple[Any, ...] | None, str] | BaseException
+            try:
+                # The look first: the state is taken after it, so a draw at any time after the
+                # look shows as words that moved when the last bucket looks again.
+                look = _rng_look()
+                value = own()
+                if self.store is None:
+                    self.store = _job_store()
+                self.members.publish(step, value, committed, store=self.store)
+                result = (step, committed, look, value)
+            except BaseException as error:  # kept for the vote, which raises it on the path
+                result = error
+            with self.cond:
+                self.jobs.pop(0)
+                self.result = result
+                self.cond.notify_all()
+
+    def wait(self, check: Callable[[], None]) -> Any:
+        """Every job given done: the last one's result. Waits in slices, calling ``check``
+        between them (it raises when a member is gone, or this rank is cut off)."""
+        with self.cond:
+            while self.jobs:
+                if not self.cond.wait(_SLICE_S):
+                    self.cond.release()
+                    try:
+                        check()
+                    finally:
+                        self.cond.acquire()
+            return self.result
+
+
+_SLICE_S = 0.5
+
+
 class _BucketVote:
     """The commit vote as it rides in a DDP backward (a
     :class:`tandem.parallel.ddp.end_of_backward.Vote`; see the module doc).
 
+    Off the step's path (``off_path``, the default): as the backward starts (its first
+    gradient hook: the loss and the generators the forward left are known), a thread of its own
+    (:class:`_Sender`) takes this rank's own state and leaves it in the store. Right before the
+    last bucket the vote waits for that only if it is not done, and looks at the generators'
+    raw words again (:func:`_rng_look`, some microseconds): if the backward moved them (a custom
+    autograd Function that draws), the state is taken and sent again, there, on the path. So
+    what the store holds for the step is what the backward's last bucket leaves, as before, and
+    it is there before this rank enters the collective whose completion is the vote.
+
     Its counts: for each of the first :data:`_ADMIT_AT_ONCE` queued replacements not admitted
-    yet, 1 if this rank has seen it queued. Summed over the members, a count equal to the
-    world size says every member has seen that one: the same number to admit on every member,
-    and all zeros (so nothing but the bucket's own all-reduce) while none is queued."""
+    yet, 1 if this rank has seen it queued; then 1 if this rank's state moved after an earlier
+    vote (:meth:`Recoverer.commit` republished it, and every member then raises
+    :class:`StateAfterVoteError`). Summed over the members, a count equal to the world size says
+    every member has seen that replacement: the same number to admit on every member, and all
+    zeros (so nothing but the bucket's own all-reduce) while none is queued and nothing moved."""
 
     def __init__(self, recoverer: Recoverer) -> None:
         self.recoverer = recoverer
         self.own: Callable[[], str] = lambda: "1"
+        self.off_path = True
         self.step: int | None = None  # the step whose vote this backward carries
         self.published: str | None = None  # what own() gave at it
         self.passed_step: int | None = None  # the step whose vote passed here, not committed
         self.admit = 0  # replacements to admit after that step (0: none)
+        self.moved = 0  # members whose state moved after a vote (the vote that passed says)
+        self.moved_here: int | None = None  # the step whose state moved here after its vote
         self._sums: list[int] = []
+        self._given: tuple[int, int] | None = None  # the step and commit starting() gave
+        self._sender: _Sender | None = None
 
     def values(self) -> list[int]:
         members = self.recoverer.members
         assert members is not None
         queued = self.recoverer._seen() - members.admitted
-        return [int(queued > n) for n in range(_ADMIT_AT_ONCE)]
+        return [int(queued > n) for n in range(_ADMIT_AT_ONCE)] + [int(self.moved_here is not None)]
 
     def deliver(self, sums: list[int]) -> None:
         self._sums = sums
 
+    def starting(self) -> None:
+        """The backward that will carry the vote started: the sender takes and sends the state
+        meanwhile (off the path: a hand-over of some microseconds here)."""
+        last = self.recoverer.last_commit
+        self._given = None
+        if not self.off_path or last is None:
+            return
+        if self._sender is None:
+            members = self.recoverer.members
+            assert members is not None
+            self._sender = _Sender(members)
+            self._sender.start()
+        self._given = (last[0] + 1, last[0])
+        self._sender.give(last[0] + 1, last[0], self.own)
+
     def entering(self) -> None:
         recoverer, members = self.recoverer, self.recoverer.members
         assert members is not None
+        given, self._given = self._given, None
         if recoverer.last_commit is None:
             self.step = None  # a backward before the first commit: no step to vote on
             return
         committed = recoverer.last_commit[0]
         self.step = committed + 1
-        self.published = self.own()
         self.passed_step, self._sums = None, []
-        with recoverer._reachable():
-            members.publish(self.step, self.published, committed)
+        value = None
+        if given == (self.step, committed):
+            sent = self.settle()
+            if isinstance(sent, tuple) and sent[:2] == given:
+                look = sent[2]
+                # Unmoved since the sender's look, which came before it took the state: the
+                # store holds what the backward leaves.
+                if look is not None and _rng_look() == look:
+                    value = sent[3]
+        if value is None:  # on the path: the old way, or the backward drew random numbers
+            value = self.own()
+            with recoverer._reachable():
+                members.publish(self.step, value, committed)
+        self.published = value
         recoverer.voting = self.step
+
+    def settle(self) -> Any:
+        """Wait for the sender's jobs (in slices: a member gone or the store cut off raises
+        meanwhile); the last one's result. A store error there is this rank cut off."""
+        if self._sender is None:
+            return None
+        sent = self._sender.wait(mismatch.raise_if_failed)
+        if isinstance(sent, BaseException):
+            self._sender.result = None
+            with self.recoverer._reachable():
+                raise sent
+        return sent
 
     def passed(self) -> None:
         members = self.recoverer.members
@@ -547,8 +683,10 @@ class _BucketVote:
             return
         step, self.step = self.step, None
         everyone = members.world_size
-        seen_by_all = sum(1 for total in self._sums if total == everyone)
+        queued, moved = self._sums[:_ADMIT_AT_ONCE], self._sums[_ADMIT_AT_ONCE:]
+        seen_by_all = sum(1 for total in queued if total == everyone)
         self.admit = members.admitted + seen_by_all if seen_by_all else 0
+        self.moved = moved[0] if moved else 0
         self.passed_step = step
         if _after_vote is not None:
             _after_vote(step)
@@ -631,11 +769,18 @@ class Recoverer:
     def world_size(self) -> int:
         return self.members.world_size if self.members is not None else group_size()
 
-    def attach(self, model: nn.Module, own: Callable[[], str]) -> None:
+    def attach(self, model: nn.Module, own: Callable[[], str], off_path: bool = True) -> None:
         """Let each step's vote ride in ``model``'s gradient all-reduce (a tandem.DDP over the
         current group; after a re-form, the new one): ``own()`` gives this rank's own state as
-        the step will leave it, taken right before the backward's last bucket is reduced
-        (:meth:`commit` then checks that the step left it so). A no-op when inactive.
+        the step will leave it (:meth:`commit` then checks that the step left it so). A no-op
+        when inactive.
+
+        ``off_path`` (the default): ``own()`` is called on a thread of its own as the backward
+        starts, and its result sent to the store from there; the backward's last bucket only
+        checks that the generators did not move since (else takes and sends the state again
+        itself). So ``own()`` must be safe to call while the backward runs, and give then what
+        the step will leave once the generators are as the last bucket finds them. False: it
+        is called right before the last bucket is reduced, on the step's path.
 
         Example::
 
@@ -645,6 +790,7 @@ class Recoverer:
         if self.members is None or reducer is None:
             return
         self._vote.own = own
+        self._vote.off_path = off_path
         reducer.end_of_backward.vote = self._vote
 
     def commit(self, step: int, value: str | Callable[[], str] = "1") -> int:
@@ -655,37 +801,42 @@ class Recoverer:
         (:meth:`grow`), else 0: the same on every member.
 
         When the step's DDP backward carried the vote (:meth:`attach`) and it passed here, the
-        step commits with no communication at all; ``value`` must then be what ``own()`` gave
-        at the vote (a function is not called: the caller vouches for it, see
-        :meth:`passed`). Otherwise (no DDP backward in the step) ``value`` is left in the store
-        if it changed and the members vote in a small all-gather.
+        step commits with no communication at all; ``value`` is then checked against what
+        ``own()`` gave at the vote (a function is not called: the caller vouches for it, see
+        :meth:`passed`): where it differs, the true one is left in the store at once and the
+        next vote tells every member, which all raise :class:`StateAfterVoteError` then.
+        Otherwise (no DDP backward in the step) ``value`` is left in the store if it changed
+        and the members vote in a small all-gather.
 
         Raises:
             _Lost: the vote did not complete here (a member gone); the caller re-forms.
-            RuntimeError: the state changed after the vote (the step drew random numbers after
-                its backward, say): the state a survivor would load is not the step's.
+            StateAfterVoteError: on every member, at the step after one whose vote passed while
+                some member's state moved after it (the step drew random numbers after its
+                backward, say). That member left its true state for the step at its commit,
+                before its next vote (so the store held the step's state, except if it was
+                lost in between), and told the others in that vote.
         """
         if self.members is None:
             return 0
         members = self.members
         vote = self._vote
+        vote.settle()  # the sender's store calls and slots are done before ours
+        before = None if self.last_commit is None else self.last_commit[0]
         if vote.passed_step == step:
             vote.passed_step = None
+            if vote.moved:
+                raise StateAfterVoteError(self._moved_message(step, vote.moved))
             if isinstance(value, str) and value != vote.published:
-                raise RuntimeError(
-                    f"rank {members.me}: this rank's own state changed after step {step}'s vote "
-                    "(its last gradient bucket): a rank taking its place after a loss would "
-                    "start from other generators than the step left. Draw no random numbers "
-                    "between the backward and the end of the step"
-                )
+                self._republish(step, value, before)
             self.last_commit = (step, list(members.members))
             return vote.admit
-        committed = None if self.last_commit is None else self.last_commit[0]
         with self._reachable():
-            members.publish(step, value if isinstance(value, str) else value(), committed)
+            members.publish(step, value if isinstance(value, str) else value(), before)
         # What the members must agree on: the step (a check), the replacements queued that
-        # this rank has seen (the fewest seen are admitted: every member knows of them).
-        mine = torch.tensor([step, self._seen()], dtype=torch.int64)
+        # this rank has seen (the fewest seen are admitted: every member knows of them), and
+        # whether this rank's state moved after an earlier vote.
+        moved_here = int(vote.moved_here is not None)
+        mine = torch.tensor([step, self._seen(), moved_here], dtype=torch.int64)
         self.voting = step
         if members.world_size == 1:
             votes = [mine]
@@ -700,9 +851,59 @@ class Recoverer:
         steps = {int(v[0]) for v in votes}
         if steps != {step}:  # our invariant: every member votes on the step it has done
             raise RuntimeError(f"the members voted on different steps: {sorted(steps)}")
+        moved = sum(int(v[2]) for v in votes)
+        if moved:
+            raise StateAfterVoteError(self._moved_message(step, moved))
         self.last_commit = (step, list(members.members))
         queued = min(int(v[1]) for v in votes)
         return queued if queued > members.admitted else 0
+
+    def _republish(self, step: int, value: str, before: int | None) -> None:
+        """This rank's state moved after ``step``'s vote passed (its generators: the step drew
+        random numbers after its backward): leave its true state for the step now, before the
+        next vote, which tells every member (they all raise :class:`StateAfterVoteError`
+        there). Meanwhile a survivor would load the true state, unless this rank is lost
+        between the vote and here."""
+        assert self.members is not None
+        members = self.members
+        log.error(
+            "rank %d: its own state moved after step %d's vote (random numbers drawn after the "
+            "backward?): its true state is left in the store, and every rank stops at the next "
+            "step", members.me, step,
+        )  # fmt: skip
+        with self._reachable():
+            members.publish(step, value, before)
+            members.store.set(members.key("moved", members.me), str(step))
+        self._vote.moved_here = step
+
+    def _moved_message(self, step: int, count: int) -> str:
+        """:class:`StateAfterVoteError`'s text, the same on every member: the ranks (launch
+        ranks) whose state moved after a vote, and at which step, as they left it in the store
+        before the vote that told of them (looked for briefly: the keys come over other
+        connections than the vote)."""
+        assert self.members is not None
+        members = self.members
+        found: dict[int, int] = {}
+        deadline = time.monotonic() + 2.0
+        with self._reachable():
+            while True:
+                for r in members.members:
+                    key = members.key("moved", r)
+                    if r not in found and members.store.check([key]):
+                        found[r] = int(_text(members.store.get(key)))
+                if len(found) >= count or time.monotonic() > deadline:
+                    break
+                time.sleep(_POLL_S)
+        named = ", ".join(f"rank {r} after step {s}" for r, s in sorted(found.items()))
+        if len(found) < count:
+            named += f" ({count - len(found)} more not named in the store)"
+        return (
+            f"tandem.recovery: the state of {named} moved after that step's commit vote, which "
+            "rides in the backward's last gradient bucket: the step drew random numbers (or "
+            "set the generators) after its backward, so a rank taking its place after a loss "
+            f"would not start from the state the step left. Every rank stops at step {step}. "
+            "Draw the step's random numbers before loss.backward() (in the forward), not after"
+        )
 
     def passed(self, step: int) -> bool:
         """Whether ``step``'s vote rode in a DDP backward and passed on this rank (its commit
@@ -714,6 +915,32 @@ class Recoverer:
                 recoverer.commit(step, own)  # own() is not called: nothing to send
         """
         return self._vote.passed_step == step
+
+    def settle(self) -> None:
+        """Wait for this rank's own state still being sent off the step's path (after a failed
+        step, before the state of the generators is set anew). A no-op when inactive.
+
+        Raises:
+            MembershipError: this rank is cut off from the store.
+
+        Example::
+
+            except Exception as error:
+                recoverer.settle()
+                if recoverer.lost(error): ...
+        """
+        sender = self._vote._sender
+        if sender is None:
+            return
+
+        def cut_off() -> None:
+            if self._heartbeat is not None and self._heartbeat.cut_off:
+                raise MembershipError(self._heartbeat.cut_off)
+
+        sent = sender.wait(cut_off)
+        if isinstance(sent, BaseException):
+            sender.result = None  # a failed step's: the step is redone, its state sent again
+            log.debug("sending this rank's state of a failed step: %s", sent)
 
     def _seen(self) -> int:
         """The replacements this rank has seen queued, if it admits any."""
@@ -1064,9 +1291,12 @@ class Run:
                 # starts from them. The vote took them as the backward's last bucket left.
                 rng = self._rng.value() if self.recoverer.active else ""
                 grow = self.recoverer.commit(self.step_count, rng)
-            except MembershipError:
-                raise
+            except (MembershipError, StateAfterVoteError):
+                raise  # the same on every member: nothing to recover from
             except Exception as error:
+                # The state of the failed step may still be on its way to the store: done
+                # before the generators are set anew.
+                self.recoverer.settle()
                 if not self.recoverer.lost(error):
                     raise
                 lost = True

@@ -75,7 +75,14 @@ from tandem.checkpoint.rng import expand_rng_state
 from tandem.job import join
 from tandem.parallel.adapters import model_state, optimizer_state
 from tandem.parallel.engine import Engine
-from tandem.recovery import Recoverer, RngText, declare_unable, decode, enabled
+from tandem.recovery import (
+    Recoverer,
+    RngText,
+    StateAfterVoteError,
+    declare_unable,
+    decode,
+    enabled,
+)
 from tandem.train.precision import ScalerState
 from tandem.train.run_state import RunState
 from tandem.train.step import StepOutput, Update
@@ -207,9 +214,11 @@ class InMemory:
         return cast(float, backward(out, weight))
 
     def own(self, trainer: Trainer) -> str:
-        """This rank's own part of the run as the step in progress will leave it, taken at the
-        vote (in the backward of its last micro-batch, before the Trainer adds that one's loss
-        to the sums): what :meth:`commit` passes once the step is done."""
+        """This rank's own part of the run as the step in progress will leave it, taken for the
+        vote (on the vote's own thread as the backward of its last micro-batch starts, again
+        before its last bucket if the generators moved meanwhile; either way before the Trainer
+        adds that one's loss to the sums, which nothing changes during the backward): what
+        :meth:`commit` passes once the step is done."""
         run, window = trainer.state, trainer.log.window
         if self._micro is not None:
             # The two sums the Trainer adds each micro-batch's loss to (Trainer._run_batch),
@@ -256,7 +265,12 @@ class InMemory:
         self.after_step = True
 
     def lost(self, error: BaseException) -> bool:
-        return self.recoverer is not None and self.recoverer.lost(error)
+        if self.recoverer is None or isinstance(error, StateAfterVoteError):
+            return False  # the latter is raised on every member alike: nothing to recover
+        # The state of the failed step may still be on its way to the store (taken off the
+        # step's path): done before the recovery sets the generators anew.
+        self.recoverer.settle()
+        return self.recoverer.lost(error)
 
     def recover(self, trainer: Trainer) -> bool:
         """Go on among the survivors from the last committed step (see the module doc);

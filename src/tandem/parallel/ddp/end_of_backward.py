@@ -24,8 +24,8 @@ A :class:`Rider` may add a few counts of its own, so that they cost no collectiv
 the Trainer's stop and checkpoint requests ride here every step. The rider's values are taken
 at launch (or at the mark) and their sums delivered once read (on a GPU, at the next forward).
 A :class:`Vote` (recovery in memory's commit, :mod:`tandem.recovery`) rides beside it: the
-reducer also tells it when the backward's last collective is about to be issued and when every
-collective of the backward has completed on this rank.
+reducer also tells it when a backward that reduces starts, when the backward's last collective is
+about to be issued, and when every collective of the backward has completed on this rank.
 
 Example::
 
@@ -64,6 +64,11 @@ class Rider(Protocol):
 class Vote(Rider, Protocol):
     """A commit vote that rides in a DDP backward (:mod:`tandem.recovery`): its counts travel as
     a :class:`Rider`'s, and the reducer calls it around the backward's collectives."""
+
+    def starting(self) -> None:
+        """The backward that will reduce the buckets started (its first gradient is ready):
+        the vote may start its own work then, off the backward's path."""
+        ...
 
     def entering(self) -> None:
         """Right before the backward's last gradient bucket is reduced: once that bucket's

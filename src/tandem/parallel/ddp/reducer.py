@@ -24,8 +24,9 @@ One iteration, as the reducer sees it:
    left out is unused, as in torch (whose ``_DDPSink`` gives such outputs an undefined
    gradient). A parameter is used only where its gradient was defined, and one used on no rank
    keeps its ``.grad`` as it is (None stays None). Recovery in memory's commit vote rides here
-   too (:class:`tandem.parallel.ddp.end_of_backward.Vote`): told right before the last bucket
-   is reduced, and once every collective of the backward completed on this rank.
+   too (:class:`tandem.parallel.ddp.end_of_backward.Vote`): told as the backward starts, right
+   before the last bucket is reduced, and once every collective of the backward completed on
+   this rank.
 
 The means reach ``.grad`` without a copy where it counts: a large gradient (see
 ``LARGE_GRADIENT``) becomes a view of its bucket's buffer. At the next forward the bucket takes
@@ -259,6 +260,11 @@ class Reducer:
     def _begin_backward(self) -> None:
         self.finalize_queued = True
         Variable._execution_engine.queue_callback(self._finalize)
+        vote = self.end_of_backward.vote
+        if vote is not None:
+            # Recovery's commit: this rank's state is taken and sent while the backward runs,
+            # off its path; the last bucket then waits for it only if it is not done.
+            vote.starting()
         # Parameters known to get no gradient are marked here, inside backward, rather than in
         # prepare(): launching their bucket must wait for backward to exist.
         if self.skip_unused:
