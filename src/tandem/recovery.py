@@ -34,7 +34,8 @@ then goes on by itself:
    sum: it takes the state the step left from a survivor that committed it
    (:meth:`Recoverer.reform`'s ``ahead``: the parameters and the optimizer's state).
 5. They build a **new process group** over a fresh key prefix of the same store (the old one
-   is abandoned), wrap the module in a new tandem.DDP, and **redo the next step** at the smaller
+   is destroyed off the path: :func:`_abandon_group`), wrap the module in a new tandem.DDP,
+   and **redo the next step** at the smaller
    world size from the state they hold: the sampler deals the samples of the epoch not yet
    trained on to the new world, as a resume at another world size does, and each rank starts
    the redo from the random generators of the rank whose place it takes (as of the last
@@ -75,8 +76,10 @@ A rank cut off from the store (a partition, or the store's node down: its heartb
 calls go unanswered for ``heartbeat_timeout``; a watchdog thread notices, since such a call
 waits rather than fails) stops with a :class:`MembershipError` that says so
 (:func:`cut_off_message`), and exits one heartbeat timeout later if it is blocked where the
-error cannot reach it. The old group of a re-form is abandoned, not destroyed: its abort runs on
-a thread of its own, since Gloo's waits for work blocked on a peer that only silence tells gone.
+error cannot reach it. The old group of a re-form is taken down without waiting for it: its
+Gloo connections are shut down from this side (a wait blocked on a peer that only silence tells
+gone then fails at once) and the group is freed on a thread of its own
+(:mod:`tandem._groups_reaper`).
 
 Without ``--recover in-memory`` (or with one process) :class:`Run` is a plain DDP loop: the
 same steps, no store traffic.
@@ -1707,12 +1710,15 @@ def _python_words() -> tuple[bytes, Any] | None:
 
 
 def _abandon_group() -> None:
-    """Take down the default group without waiting for its collectives: one may be blocked on
-    a hung peer, and a plain ``destroy_process_group`` would wait for it forever. Torch forgets
-    the groups at once (``_abort_process_group``'s bookkeeping) and the backends are aborted on
-    a thread of their own: a Gloo abort waits for its blocked work, which a peer cut off by the
-    network (no reset ever comes) holds until TCP gives up."""
+    """Take down every process group without waiting for its collectives (one may be blocked on
+    a hung peer): torch forgets them at once (``_abort_process_group``'s bookkeeping), the
+    sockets of their Gloo devices are shut down from this side, so that a wait on a peer cut
+    off by the network fails now rather than at the group's timeout, and the groups are freed
+    on a thread of their own (:mod:`tandem._groups_reaper`: torch 2.13's Gloo has no abort of
+    its own, and its destructor waits for the blocked work)."""
     from torch.distributed import distributed_c10d as c10d
+
+    from tandem import _groups_reaper
 
     world = c10d._world
     tables = ("pg_map", "pg_names", "pg_group_ranks", "pg_backend_config", "pg_to_tag",
@@ -1720,28 +1726,22 @@ def _abandon_group() -> None:
     known = all(hasattr(world, t) for t in tables) and hasattr(c10d, "_update_default_pg")
     if not known or not hasattr(c10d, "_unregister_all_process_groups"):
         # Another torch than those this bookkeeping was written for: its own abort (which
-        # waits for work blocked on a cut-off peer until TCP gives up).
+        # waits for work blocked on a cut-off peer until the work's timeout).
         log.warning("this torch keeps its groups otherwise: aborting the old group in place")
         c10d._abort_process_group()
         return
     groups = list(world.pg_names)
-    for group in groups:  # never freed, not even as the interpreter exits: the destructor of a
-        # group whose work waits on a peer cut off by the network would wait with it
-        ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
-
-    def abort() -> None:
-        for group in groups:
-            try:
-                group.abort()
-            except Exception as error:  # an abort the backend refuses: it is forgotten anyway
-                log.warning("aborting an old process group: %s", error)
-
-    threading.Thread(target=abort, name="tandem-abort", daemon=True).start()
     c10d._update_default_pg(None)
     for table in tables:
         getattr(world, table).clear()
     c10d._unregister_all_process_groups()
     world.group_count = 0
+    # Every group of the process is let go and the next one does not exist yet: whatever a
+    # Gloo device still watches belongs to an old group.
+    if _groups_reaper.cut_gloo_connections() is None:
+        _groups_reaper.keep(groups)
+    else:
+        _groups_reaper.reap(groups)  # takes the last references: none may stay in this frame
 
 
 def _job_store(timeout: float = 60.0) -> dist.Store:
