@@ -244,7 +244,9 @@ def _join(
         use_libuv=True,
     )
     admitted = join.ask_to_join(store, me, timeout_s=max(wait_s, 600.0))
-    placement = override_placement(
+    # The world it joins may hold fewer processes than this node started (members of this node
+    # lost): only the rank and the world size change, as for the members (:func:`reformed`).
+    placement = dataclasses.replace(
         placement, rank=admitted["rank"], world_size=admitted["world_size"]
     )
     if device.type == "cuda":

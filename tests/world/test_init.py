@@ -8,6 +8,7 @@ destroys the group tandem made.
 
 from __future__ import annotations
 
+import importlib
 import os
 from datetime import timedelta
 
@@ -102,3 +103,33 @@ def test_slurm_variables_alone():
 def test_adopts_a_group_the_user_created():
     results = run_ranks(_adopt_body, world_size=2, init="gloo", timeout=60)
     assert results == [(_expected(r, "gloo"), True) for r in range(2)]
+
+
+def test_a_replacement_joins_a_world_smaller_than_its_nodes_process_count(monkeypatch):
+    # 4 workers on a node, 2 of them lost: the replacement (launch rank 5) is admitted as rank
+    # 2 of 3, fewer than the node's LOCAL_WORLD_SIZE of 4, which a launcher's placement check
+    # would refuse. Its local place (its device) stays; the rank and world size are the
+    # admission's.
+    from tandem.job.placement import placement_from_env
+
+    tandem_world = importlib.import_module("tandem.world")  # the attribute is the function
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, use_libuv=True)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(store.port))
+    admission = {"rank": 2, "world_size": 3, "prefix": "gen2/pg/"}
+    monkeypatch.setattr(tandem_world.join, "ask_to_join", lambda *a, **k: admission)
+    formed: dict = {}
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: formed.update(kw))
+    monkeypatch.setattr(dist, "get_rank", lambda: formed["rank"])
+    monkeypatch.setattr(dist, "get_world_size", lambda: formed["world_size"])
+    monkeypatch.setattr(dist, "get_backend", lambda: "gloo")
+    env = {"RANK": "5", "WORLD_SIZE": "6", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4"}
+    joined = tandem_world._join(5, placement_from_env(env), torch.device("cpu"), None, None, 1.0)
+    assert (formed["rank"], formed["world_size"]) == (2, 3)
+    assert (joined.rank, joined.world_size, joined.local_rank, joined.local_world_size) == (
+        2,
+        3,
+        1,
+        4,
+    )
