@@ -3,13 +3,17 @@ memory (tandem.ShardedOptimizer: each rank holds only its shard of the optimizer
 rank that kills itself once.
 
     python -m tests.launch.fallback_worker RUN_DIR [--kill RANK:STEP]
+        [--kill-node RANK:STEP:RESTART] [--keep N] [--resume PATH]
 
 A Trainer over a small MLP with dropout (every rank its own masks), SGD with momentum sharded
 by tandem.ShardedOptimizer, a checkpoint every 2 optimizer steps and at the end, and
 ``resume="latest"``: run again, it goes on from the newest checkpoint. ``--kill RANK:STEP``:
 launch rank RANK SIGKILLs itself in its training step of optimizer step STEP (before the
 backward), in the first attempt only (``TORCHELASTIC_RESTART_COUNT`` 0): restarted, it trains
-to the end.
+to the end. ``--kill-node RANK:STEP:RESTART``: the same at restart RESTART, but it SIGKILLs its
+launcher first (its parent, `tandem run`): its whole node is gone. ``--keep N``: the
+checkpoints kept (3). ``--resume PATH``: the Trainer's ``resume`` (``latest``): a checkpoint to
+start from, as a save-and-resume oracle does.
 """
 
 from __future__ import annotations
@@ -36,12 +40,18 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("run_dir")
     parser.add_argument("--kill", default=None)
+    parser.add_argument("--kill-node", default=None)
+    parser.add_argument("--keep", type=int, default=3)
+    parser.add_argument("--resume", default="latest")
     args = parser.parse_args()
     torch.set_num_threads(1)
     tandem.init()
     me = int(os.environ["RANK"])
     victim, at = (int(v) for v in args.kill.split(":")) if args.kill else (-1, -1)
-    dies = me == victim and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0"
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    dies = me == victim and restart == "0"
+    node, node_at, node_restart = (int(v) for v in (args.kill_node or "-1:-1:-1").split(":"))
+    takes_node = me == node and restart == str(node_restart)
 
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Dropout(0.25), nn.Linear(8, 2))
@@ -51,6 +61,9 @@ def main() -> None:
     def training_step(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         x, y = batch
         if dies and trainer.step == at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if takes_node and trainer.step == node_at:
+            os.kill(os.getppid(), signal.SIGKILL)  # the launcher: this node is gone
             os.kill(os.getpid(), signal.SIGKILL)
         return F.cross_entropy(model(x), y)
 
@@ -64,7 +77,8 @@ def main() -> None:
         run_dir=args.run_dir,
         seed=3,
         training_step=training_step,
-        resume="latest",
+        resume=args.resume,
+        keep_checkpoints=args.keep,
         progress=False,
     )
     trainer.train()

@@ -20,14 +20,22 @@ node by its launcher's line. Proves:
   end non-zero within seconds and leave nothing behind;
 - **a node arriving at MAX** (``--nnodes 1:2``, a third node started while two run): it waits,
   saying the job runs on its maximum of 2 nodes; when the job ends it is told so and ends 0,
-  having started no worker.
+  having started no worker;
+- **a fall-back restarts at the nodes still there** (``--nnodes 2:3 --max-restarts 1``, the
+  sharded Trainer of ``fallback_worker.py``, which cannot recover in memory): at step 5 rank
+  2's worker is SIGKILLed and rank 1's node is gone (its launcher SIGKILLed with its worker);
+  the job restarts from the checkpoint of step 4 at the 2 nodes still there, node 2
+  renumbered node 1, and ends **bitwise** where 2 ranks resumed from that checkpoint end;
+  both launchers end 0 and every process is accounted for.
 
 Cheap, in-process: the flags' checks (a static MIN:MAX, MIN > MAX, a host file of many hosts,
 c10d without an endpoint, a heartbeat timeout of 0 are refused naming the value; a c10d
 MIN:MAX is accepted); node 0's decisions over a real TCPStore (a node asking while MAX run is
 told to wait, then admitted once a node's beat is stale; one asking while a member admits no
 newcomer is refused, naming the ranks; fewer than MIN left ends the job, naming the nodes);
-a fall-back's lines under MIN:MAX say that nothing restarts.
+node 0's decision at a fall-back (a restart at the nodes not silent, renumbered, each follower
+learning its number; none below MIN, saying why; the restart's store numbering a later node
+after them; a node waiting to be admitted sent to the restart's store).
 
 Skipped, with the reason, where network namespaces or a bridge cannot be made.
 """
@@ -38,6 +46,8 @@ import contextlib
 import os
 import re
 import signal
+import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -49,8 +59,9 @@ from tandem.cli import build_parser
 from tandem.cli.run import build_spec, run_command
 from tandem.launch.rendezvous import LaunchError
 from tests.launch.netns_switch import Switch
-from tests.launch.test_recover_nodes import chain, naming
+from tests.launch.test_recover_nodes import assert_same_trainer_run, chain, naming
 from tests.launch.test_recover_partition import PORT, Launchers, start_nodes
+from tests.launching import final_checkpoint, run_job
 from tests.recovery.test_recovery import assert_equal_runs, leftovers
 
 pytestmark = [pytest.mark.launch, pytest.mark.xdist_group("recovery")]
@@ -138,6 +149,13 @@ def nodes(net: Switch, directory: Path, nnodes: str, worker: list[str]) -> Itera
         yield started
     finally:
         started.stop()
+
+
+def _read(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError:
+        return b""
 
 
 def paused(out: Path, rank: int, within: float = 90) -> None:
@@ -348,21 +366,141 @@ def test_node_0_admits_below_max_refuses_where_nobody_admits_and_ends_below_min(
     assert "1 node(s) are left, fewer than the --nnodes minimum 2" in end.why, end
 
 
-def test_a_fall_back_under_min_max_says_that_nothing_restarts_whatever_max_restarts_says():
-    """With ``--nnodes MIN:MAX`` a fall-back restarts nobody (the launcher asks for restart 0):
-    its lines say so rather than "no restart left", which would blame ``--max-restarts``."""
-    from tandem.launch.failures import Failure
-    from tandem.launch.in_memory import Fallback, fallback_line, fallback_summary
+def test_node_0_restarts_a_fall_back_at_the_nodes_still_there_renumbered_or_not_below_min():
+    """Node 0's decision at a fall-back's end (``settle``), in-process over a real TCPStore: a
+    restart asked for is made at the job's nodes that are not silent, renumbered in the job's
+    order (node 0 first), each follower learning its new number; none below MIN (why says so)
+    or when none is asked for; the restart's fresh store numbers a node arriving later after
+    them; a node waiting to be admitted is sent to the restart's store, not told the end."""
+    from datetime import timedelta
 
-    lost = (Failure(1, 0, "vm", -9, (), at=107.0),)
-    fallback = Fallback(lost, {0: "sharded"}, restart=0, max_restarts=3, nodes=2, elastic=True)
-    assert fallback_summary(fallback) == (
-        "tandem run: rank 1 (killed by SIGKILL) was lost and rank 0 cannot be recovered in "
-        "memory (sharded): stopping every worker on every node; with --nnodes MIN:MAX nothing "
-        "restarts them (start the job again to resume from the last checkpoint; --recover "
-        "in-memory falls back to restart)"
+    from torch.distributed import TCPStore
+
+    from tandem.launch.in_memory import JobEnd, launcher_key, node_key
+    from tandem.launch.membership import (
+        ElasticInMemoryCoordinator,
+        ElasticSettings,
+        _Restarting,
     )
-    assert fallback_line(fallback, started=100.0) == (
-        "rank 1 (killed by SIGKILL) lost 7.0 s into the run; not recoverable in memory (rank 0: "
-        "sharded): every worker on every node stopped, not restarted (--nnodes MIN:MAX)"
+
+    store = TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=10), wait_for_workers=False)
+
+    def coordinator(node: int) -> ElasticInMemoryCoordinator:
+        made = ElasticInMemoryCoordinator(ElasticSettings(2, 4), "127.0.0.1", store.port, 2.0)
+        made.serving, made.store, made.nnodes, made.node_rank = node == 0, store, 4, node
+        return made
+
+    node0, node1, node3 = coordinator(0), coordinator(1), coordinator(3)
+    store.set(launcher_key("nodes"), "[0, 1, 2, 3]")
+    asked = JobEnd("rank 1 was lost", "rank 1 lost", restart=1, node=1)
+    said = node0._decide(asked, gone=[2])
+    assert said == {"restart": 1, "why": "", "nodes": [0, 1, 3], "attempt": 1}
+    assert [c._follow(said) for c in (node0, node1, node3)] == [(1, "")] * 3
+    assert (node0._next, node1._next, node3._next) == ((0, 3, 1), (1, 3, 1), (2, 3, 1))
+    restart, why = coordinator(2)._follow(said)  # a node node 0 found silent: left out
+    assert restart == 0 and "restarts the job without this node (node 2)" in why
+    every = node0._decide(asked, gone=[])  # every node there: the same numbers
+    assert every["nodes"] == [0, 1, 2, 3] and every["restart"] == 1
+    below = node0._decide(asked, gone=[1, 2, 3])
+    assert below["restart"] == 0 and "nodes" not in below, below
+    assert (
+        "node(s) 1, 2, 3 went silent; 1 node(s) are left, fewer than the --nnodes minimum 2"
+        in (below["why"])
     )
+    assert node0._decide(JobEnd("x", "x", restart=0), gone=[])["restart"] == 0  # none left
+
+    # The restart's store (node 0 writes it before the others connect): 3 nodes, and a node
+    # arriving later takes number 3.
+    fresh = TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=10), wait_for_workers=False)
+    node0.store, node0.nnodes, node0._attempt, node0._next = fresh, 3, 1, None
+    node0._fresh_store()
+    assert node0.nodes() == [0, 1, 2]
+    assert int(fresh.add(launcher_key("arrivals"), 1)) == 3
+    assert fresh.get(launcher_key("restarts")) == b"1"
+
+    # A node waiting to be admitted while the job restarts: sent to the restart's store.
+    waiting = coordinator(5)
+    waiting.store = store
+    node0.store, node0._attempt = store, 0
+    assert node0._told_the_end(restart=1) == []
+    with pytest.raises(_Restarting) as sent:
+        waiting._admitted(time.monotonic() + 5)
+    assert sent.value.attempt == 1 and store.check([node_key(5, "left")])
+    assert not store.check([launcher_key("closed")])
+
+
+FALLBACK_WORKER = "tests.launch.fallback_worker"
+
+
+@pytest.mark.timeout(300)
+def test_a_fall_back_restarts_every_node_from_the_checkpoint_at_the_nodes_still_there(
+    net_of, tmp_path
+):
+    """``--nnodes 2:3 --max-restarts 1``, 3 nodes of one rank, the sharded Trainer of
+    ``fallback_worker.py`` (it cannot recover in memory). At step 5 rank 2's worker is
+    SIGKILLed (its launcher sees it: a fall-back) and rank 1 SIGKILLs its launcher and itself
+    (node 1 is gone). Every node still there stops its workers; node 0 restarts the job from
+    the checkpoint of step 4 at the 2 nodes still beating, node 2 renumbered node 1 (rank 1).
+    The run ends, bitwise, where 2 ranks resumed from that checkpoint end."""
+    net = net_of(3)
+    killed = tmp_path / "killed"
+    worker = ["--max-restarts", "1", "-m", FALLBACK_WORKER, str(killed), "--keep", "9"]
+    worker += ["--kill", "2:5", "--kill-node", "1:5:0"]
+    fourth = killed / "checkpoints" / "ckpt-e0001-s00000004.pt"
+    oracle = tmp_path / "oracle"  # 2 ranks resumed from the checkpoint the restart finds
+    made: list[subprocess.CompletedProcess[str]] = []
+    with nodes(net, tmp_path, "2:3", worker) as run:
+        for namespace in range(3):
+            run.start(namespace)
+        host, middle, last = (run.holding(n, [0, 1, 2]) for n in range(3))
+        # The oracle runs meanwhile (the job waits much of its time), from that checkpoint
+        # once the Trainer's `latest` names it (written and sealed).
+        deadline = time.monotonic() + 120
+        while b"s00000004" not in _read(killed / "checkpoints" / "latest"):
+            assert time.monotonic() < deadline, run.shown()
+            time.sleep(0.1)
+        oracle_run = threading.Thread(
+            target=lambda: made.append(
+                run_job(2, [], FALLBACK_WORKER, str(oracle), "--resume", str(fourth), check=False)
+            )
+        )
+        oracle_run.start()
+        codes = run.finish(240)
+        oracle_run.join(240)  # its processes too name the test's directory
+        run.accounted_for(killed)
+    shown = run.shown()
+    assert (codes[host], codes[last], codes[middle]) == (0, 0, -signal.SIGKILL), shown
+    assert made and made[0].returncode == 0, made and made[0].stderr[-4000:]
+    # Node 2's launcher saw its worker lost, the others unable (sharded): a fall-back.
+    assert re.search(
+        r"^tandem run: rank 2 \(killed by SIGKILL\) was lost and ranks? [\d, ]+ cannot be "
+        r"recovered in memory \(.*sharded across ranks.*\): restarting every worker on every "
+        r"node from the last checkpoint \(restart 1 of 1; --recover in-memory falls back to "
+        r"restart\)$",
+        run.text(last),
+        re.M,
+    ), shown
+    for launcher, node in ((host, 0), (last, 1)):
+        assert re.search(
+            rf"^tandem run: the job restarted \(restart 1\) with 2 node\(s\), world size 2: "
+            rf"this is node {node} \(ranks {node}\.\.{node} here\)$",
+            run.text(launcher),
+            re.M,
+        ), shown
+        assert re.search(  # the summary lists the fall-back
+            r"^tandem run: recovery 1: rank 2 \(killed by SIGKILL\) lost [\d.]+ s into the run; "
+            r"not recoverable in memory \(.*\): every worker on every node restarted \(restart "
+            r"1 of 1\) from the last checkpoint$",
+            run.text(launcher),
+            re.M,
+        ), shown
+    assert "this node (node 2) is node 1 there" in run.text(last), shown
+    assert re.search(
+        rf"^\[rank 0\] resumed from {re.escape(str(fourth))}: .*written by 3 processes, now 2",
+        run.text(host),
+        re.M,
+    ), shown
+
+    got, expected = final_checkpoint(killed), final_checkpoint(oracle)
+    assert expected["trainer"]["step"] == 10
+    assert_same_trainer_run(got, expected)

@@ -222,14 +222,7 @@ def test_a_loss_not_recoverable_in_memory_restarts_every_nodes_workers_from_the_
     ), shown
     got, expected = final_checkpoint(killed), final_checkpoint(oracle)
     assert expected["trainer"]["step"] == 12
-    assert_bitwise(got["model"], expected["model"], "model")
-    assert_bitwise(got["optimizer"], expected["optimizer"], "optimizer")
-    for key in ("world_size", "epoch", "step", "batch", "sampler"):
-        assert got["trainer"][key] == expected["trainer"][key], key
-    for rank, (a, b) in enumerate(
-        zip(got["trainer"]["ranks"], expected["trainer"]["ranks"], strict=True)
-    ):
-        assert torch.equal(a["rng"]["torch"], b["rng"]["torch"]), f"rank {rank}'s generator"
+    assert_same_trainer_run(got, expected)
 
 
 @pytest.mark.timeout(200)
@@ -304,3 +297,16 @@ def test_with_no_restart_left_every_node_stops_its_workers_and_ends_non_zero(net
     # Rank 0 was stopped by its launcher, not by its own 30 s wait for a dead mark.
     assert "rank 0: no " not in run.text(0), shown
     assert took < 60, shown
+
+
+def assert_same_trainer_run(got: dict, expected: dict) -> None:
+    """Two Trainer checkpoints hold the same run, bitwise: model, optimizer, the Trainer's
+    position and every rank's generator."""
+    assert_bitwise(got["model"], expected["model"], "model")
+    assert_bitwise(got["optimizer"], expected["optimizer"], "optimizer")
+    for key in ("world_size", "epoch", "step", "batch", "sampler"):
+        assert got["trainer"][key] == expected["trainer"][key], key
+    for rank, (a, b) in enumerate(
+        zip(got["trainer"]["ranks"], expected["trainer"]["ranks"], strict=True)
+    ):
+        assert torch.equal(a["rng"]["torch"], b["rng"]["torch"]), f"rank {rank}'s generator"

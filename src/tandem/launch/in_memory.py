@@ -447,11 +447,11 @@ class InMemoryCoordinator(LocalCoordinator):
     drops the client.
     """
 
-    #: An elastic ``--nnodes MIN:MAX`` job (:class:`tandem.launch.membership.
-    #: ElasticInMemoryCoordinator`): nodes come and go, a fall-back restarts nothing.
-    elastic = False
     #: This node arrived after the job formed: its workers join it as replacements do.
     late = False
+    #: The restarts the job had when this node arrived (a node joining an elastic job after a
+    #: fall-back restarted it): its own count starts there.
+    job_restarts = 0
 
     def __init__(
         self,
@@ -509,6 +509,8 @@ class InMemoryCoordinator(LocalCoordinator):
             self.store, _ = _host_store(addr, port)
             if attempt == 0:
                 warn_without_secret(key_scope(), addr, port)
+            self._fresh_store()
+            # Last: the other nodes take the store as this attempt's once they read it.
             self.store.set(launcher_key("attempt"), str(attempt))
         else:
             self.store = self._connect(attempt)
@@ -528,10 +530,15 @@ class InMemoryCoordinator(LocalCoordinator):
                 )
             time.sleep(0.05)
 
-    def _connect(self, attempt: int) -> _RemoteStore:
-        """A client of node 0's store of ``attempt``. After the first, node 0 may still serve
-        the attempt before's (it waits until every node has left it): a store whose
-        ``attempt`` key is not this one is dropped and asked again."""
+    def _fresh_store(self) -> None:
+        """Node 0, in a restart's fresh store before any other node reads it: the keys the
+        attempt needs there from the start (none with a fixed ``--nnodes``)."""
+
+    def _connect(self, attempt: int | None) -> _RemoteStore:
+        """A client of node 0's store of ``attempt`` (None: of whichever attempt it serves, for
+        a node arriving at an elastic job). After the first, node 0 may still serve the attempt
+        before's (it waits until every node has left it): a store whose ``attempt`` key is not
+        this one is dropped and asked again."""
         from torch.distributed import TCPStore
 
         addr, port = self.where
@@ -544,11 +551,13 @@ class InMemoryCoordinator(LocalCoordinator):
                 # The first attempt's client waits for node 0 to start listening; a later one
                 # asks again soon, since the store that answers may be the old one, closing.
                 left = deadline - time.monotonic()
-                wait = max(1.0, left if attempt == 0 else min(self.store_timeout, left))
+                wait = max(1.0, left if not attempt else min(self.store_timeout, left))
                 client = TCPStore(addr, port, None, False, timedelta(seconds=wait))
                 remote = _RemoteStore(client, f"{addr}:{port}", self.store_timeout)
                 key = launcher_key("attempt")
-                if remote.check([key]) and _text(remote.get(key)) == str(attempt):
+                if remote.check([key]) and (
+                    attempt is None or _text(remote.get(key)) == str(attempt)
+                ):
                     return remote
             except (RuntimeError, LaunchError) as exc:  # refused, or the old store closing
                 error = exc
@@ -682,9 +691,19 @@ class InMemoryCoordinator(LocalCoordinator):
                 return 0, ""
             said = json.loads(_text(self.store.get(decision)))
             self.store.set(node_key(self.node_rank, "left"), "1")
-            return int(said["restart"]), str(said["why"])
+            return self._follow(said)
         gone = self._wait_for(others, "done", tick, stopped)
-        end = self.ended()
+        said = self._decide(self.ended(), gone)
+        self.store.set(decision, json.dumps(said))
+        restart, why = self._follow(said)
+        left = [n for n in others if n not in gone] + self._told_the_end(restart)
+        self._wait_for(left, "left", tick, stopped)
+        return restart, why
+
+    def _decide(self, end: JobEnd | None, gone: list[int]) -> dict[str, Any]:
+        """Node 0, once every node is done or silent (``gone``): whether the job restarts, as
+        the JSON every node reads (``restart``, ``why``). A fixed ``--nnodes`` restarts only
+        with every node there."""
         restart, why = 0, ""
         if end is not None and end.restart and gone:
             why = (
@@ -694,15 +713,17 @@ class InMemoryCoordinator(LocalCoordinator):
             )
         elif end is not None:
             restart = end.restart
-        self.store.set(decision, json.dumps({"restart": restart, "why": why}))
-        left = [n for n in others if n not in gone] + self._told_the_end()
-        self._wait_for(left, "left", tick, stopped)
-        return restart, why
+        return {"restart": restart, "why": why}
 
-    def _told_the_end(self) -> list[int]:
-        """Node 0, once it decided how the job's attempt ends: the nodes outside the job still
-        waiting to be admitted, told that it ended (none with a fixed ``--nnodes``); it keeps
-        the store until each has read it and left (or went silent)."""
+    def _follow(self, said: Mapping[str, Any]) -> tuple[int, str]:
+        """Every node: node 0's decision (:meth:`_decide`) as the restart agreed and why none."""
+        return int(said["restart"]), str(said["why"])
+
+    def _told_the_end(self, restart: int) -> list[int]:
+        """Node 0, once it decided how the job's attempt ends (``restart``: the restart agreed,
+        0 for none): the nodes outside the job still waiting to be admitted, told so (none with
+        a fixed ``--nnodes``); it keeps the store until each has read it and left (or went
+        silent)."""
         return []
 
     def _wait_for(
@@ -823,8 +844,6 @@ class Fallback:
     restart: int = 0
     max_restarts: int = 0
     nodes: int = 1  # the job's: with many, every node stops (and restarts) its workers
-    # An elastic --nnodes MIN:MAX job: a fall-back stops every node's workers, restarts none.
-    elastic: bool = False
 
     @property
     def at(self) -> float:
@@ -858,11 +877,6 @@ def fallback_summary(fallback: Fallback) -> str:
             f"{text}restarting {every} from the last checkpoint (restart "
             f"{fallback.restart} of {fallback.max_restarts}; {FALLS_BACK})"
         )
-    if fallback.elastic:
-        return (
-            f"{text}stopping {every}; with --nnodes MIN:MAX nothing restarts them (start the "
-            f"job again to resume from the last checkpoint; {FALLS_BACK})"
-        )
     return (
         f"{text}stopping {every}; no restart is left to resume them from the last "
         f"checkpoint (--max-restarts {fallback.max_restarts}; {FALLS_BACK})"
@@ -891,8 +905,6 @@ def fallback_line(fallback: Fallback, started: float) -> str:
             f"{text}{every} restarted (restart {fallback.restart} of "
             f"{fallback.max_restarts}) from the last checkpoint"
         )
-    if fallback.elastic:
-        return f"{text}{every} stopped, not restarted (--nnodes MIN:MAX)"
     return f"{text}{every} stopped, no restart left (--max-restarts {fallback.max_restarts})"
 
 

@@ -35,7 +35,8 @@ Node 0's death ends the job (its store is gone), as with torch's c10d backend.
 
 Under ``--recover in-memory`` there are no rounds: :class:`ElasticInMemoryCoordinator` forms the
 job once (the same MIN, MAX and last call), and a node arriving later joins the running job in
-memory, its workers admitted by the others at a step boundary.
+memory, its workers admitted by the others at a step boundary; only a fall-back to ``restart``
+restarts it, from the last checkpoint at the nodes still there.
 
 Example::
 
@@ -52,6 +53,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -429,6 +431,14 @@ class ElasticCoordinator:
         return None
 
 
+class _Restarting(Exception):
+    """A node waiting to be admitted: a fall-back restarts the job at ``attempt``'s store."""
+
+    def __init__(self, attempt: int) -> None:
+        super().__init__(attempt)
+        self.attempt = attempt
+
+
 class JobEnded(LaunchError):
     """A node waiting to be admitted found the job finished: nothing to do, not a failure."""
 
@@ -468,8 +478,15 @@ class ElasticInMemoryCoordinator(InMemoryCoordinator):
        (and says so) until one is gone; if the job ends first, it is told so and ends with
        status 0, nothing having run there.
 
-    A fall-back to ``restart`` (a loss the workers cannot recover in memory) stops every node's
-    workers and restarts none: the job ends, saying so.
+    4. A fall-back to ``restart`` (a loss the workers cannot recover in memory) stops every
+       node's workers; the nodes meet (:meth:`InMemoryCoordinator.settle`) and node 0 restarts
+       the job, while ``--max-restarts`` allows (counted for the job), at the nodes still
+       there (:meth:`_decide`: every node of the job whose beat is not stale), if at least
+       MIN: renumbered 0..n-1 in the job's order (node 0 first), each node learning its new
+       number (:meth:`_follow`) and starting its workers at that size in a fresh store on the
+       same port (:meth:`_fresh_store`), as a fixed ``--nnodes N`` restarts in one. A node
+       waiting to be admitted asks again at the restart's store; fewer than MIN, or no restart
+       left, ends the job on every node, saying why.
 
     Example::
 
@@ -496,7 +513,9 @@ class ElasticInMemoryCoordinator(InMemoryCoordinator):
         )
         self.settings, self.nproc_per_node = settings, nproc_per_node
         self.serving = is_store_host(addr, settings.is_host)
-        self.elastic = True
+        self._attempt = 0  # the job's attempt, which node 0's store serves (a restart's: +1)
+        # A restart agreed in settle: this node's number in it, its node count, the attempt.
+        self._next: tuple[int, int, int] | None = None
         self._generation = 1  # node 0: the next generation of the workers to look for
         self._members: list[int] | None = None  # ... and the latest one's members
         self._looked = 0.0  # when node 0 last looked at the job's nodes (monotonic)
@@ -514,15 +533,20 @@ class ElasticInMemoryCoordinator(InMemoryCoordinator):
         return [int(n) for n in json.loads(_text(self.store.get(key)))]
 
     def begin(self, attempt: int) -> Attempt:
-        if attempt:  # a fall-back restarts nothing here (see the class's docstring)
-            raise LaunchError("--recover in-memory with --nnodes MIN:MAX restarts no attempt")
         env = {
             AGENT_STORE_VARIABLE: "True",
             ROUND_VARIABLE: "0",
             RECOVER_VARIABLE: "in-memory",
             HEARTBEAT_VARIABLE: f"{self.heartbeat_timeout:g}",
         }
-        if self.serving:
+        if attempt:  # a fall-back's restart, at the nodes node 0 named (settle)
+            if self._next is None:
+                raise LaunchError("--nnodes MIN:MAX: a restart that node 0 did not agree to")
+            self.node_rank, self.nnodes, self._attempt = self._next
+            self._next, self.late = None, False
+            self._generation, self._members, self._looked, self._below = 1, None, 0.0, False
+            self._join(self._attempt)  # node 0: a fresh store (_fresh_store); the others meet
+        elif self.serving:
             self._form()
         else:
             self._arrive()
@@ -562,9 +586,24 @@ class ElasticInMemoryCoordinator(InMemoryCoordinator):
 
     def _arrive(self) -> None:
         """Every other node: take a place; one of the job's first nodes, or one arriving
-        later, which waits until node 0 admits it (:meth:`_admitted`)."""
+        later, which waits until node 0 admits it (:meth:`_admitted`). A node waiting while a
+        fall-back restarts the job arrives again, at the restart's store."""
+        attempt: int | None = None  # whichever attempt node 0's store serves
+        while True:
+            try:
+                self._arrive_at(attempt)
+                return
+            except _Restarting as restart:
+                attempt = restart.attempt
+                _say(
+                    "the job restarts from its last checkpoint (a fall-back): this node asks "
+                    "again to join it"
+                )
+
+    def _arrive_at(self, attempt: int | None) -> None:
         s = self.settings
-        self.store = self._connect(0)
+        self.store = self._connect(attempt)
+        self._attempt = int(_text(self.store.get(launcher_key("attempt"))))
         self.node_rank = int(self.store.add(launcher_key("arrivals"), 1))
         self.store.set(node_key(self.node_rank, "joined"), "1")
         deadline = time.monotonic() + s.join_timeout
@@ -578,6 +617,9 @@ class ElasticInMemoryCoordinator(InMemoryCoordinator):
                 )
             time.sleep(_POLL_S)
         self.nnodes = int(_text(self.store.get(formed)))
+        key = launcher_key("restarts")
+        if self.store.check([key]):
+            self.job_restarts = int(_text(self.store.get(key)))
         if self.node_rank >= self.nnodes:
             self.late = True
             self._admitted(deadline)
@@ -596,7 +638,12 @@ class ElasticInMemoryCoordinator(InMemoryCoordinator):
             if self.store.check([refused]):
                 self.store.set(node_key(me, "left"), "1")
                 raise LaunchError(_text(self.store.get(refused)))
-            if self.store.check([launcher_key("closed")]) or self.ended() is not None:
+            restarting = launcher_key("restarting")
+            if self.store.check([restarting]):  # a fall-back restarts the job: ask again there
+                self.store.set(node_key(me, "left"), "1")
+                raise _Restarting(int(_text(self.store.get(restarting))))
+            end = self.ended()  # one asking for a restart is decided once the nodes meet
+            if self.store.check([launcher_key("closed")]) or (end is not None and not end.restart):
                 self.store.set(node_key(me, "left"), "1")
                 raise JobEnded("the job ended before this node was admitted; nothing ran here")
             full = node_key(me, "full")
@@ -701,8 +748,55 @@ class ElasticInMemoryCoordinator(InMemoryCoordinator):
             + "; tandem.Trainer and tandem.recovery.Run do)"
         )
 
-    def _told_the_end(self) -> list[int]:
-        self.store.set(launcher_key("closed"), "1")
+    def _decide(self, end: JobEnd | None, gone: list[int]) -> dict[str, Any]:
+        """Node 0: a fall-back that asks for a restart restarts the job at the nodes still
+        there (every node of the job but the silent ones, ``gone``), renumbered in the job's
+        order (node 0 first), while they are at least MIN."""
+        if end is None or not end.restart:
+            return {"restart": 0, "why": ""}
+        s = self.settings
+        there = [n for n in self.nodes() if n not in gone]
+        if len(there) < s.min_nodes:
+            silent = f"node(s) {', '.join(map(str, gone))} went silent; " if gone else ""
+            why = (
+                f"{silent}{len(there)} node(s) are left, fewer than the --nnodes minimum "
+                f"{s.min_nodes} (start the job again to resume from its last checkpoint)"
+            )
+            return {"restart": 0, "why": why}
+        return {"restart": end.restart, "why": "", "nodes": there, "attempt": self._attempt + 1}
+
+    def _follow(self, said: Mapping[str, Any]) -> tuple[int, str]:
+        restart, why = int(said["restart"]), str(said["why"])
+        if restart:
+            there = [int(n) for n in said["nodes"]]
+            if self.node_rank not in there:  # node 0 found this node silent: it goes on without
+                return 0, (
+                    f"node 0 restarts the job without this node (node {self.node_rank}), which "
+                    f"it found silent (no beat for {self.store_timeout:g} s)"
+                )
+            if len(there) < self.nnodes or there.index(self.node_rank) != self.node_rank:
+                _say(
+                    f"the job restarts with {len(there)} node(s) of the {self.nnodes} it had: "
+                    f"this node (node {self.node_rank}) is node {there.index(self.node_rank)} "
+                    "there"
+                )
+            self._next = (there.index(self.node_rank), len(there), int(said["attempt"]))
+        return restart, why
+
+    def _fresh_store(self) -> None:
+        """Node 0, in a restart's store: the job's nodes (renumbered), its size, the arrivals'
+        counter past them (a node arriving later is numbered after them), its restarts."""
+        assert self._next is None and self.store is not None
+        self.store.set(launcher_key("nodes"), json.dumps(list(range(self.nnodes))))
+        self.store.set(launcher_key("formed"), str(self.nnodes))
+        self.store.add(launcher_key("arrivals"), self.nnodes - 1)
+        self.store.set(launcher_key("restarts"), str(self._attempt))
+
+    def _told_the_end(self, restart: int) -> list[int]:
+        if restart:  # the nodes waiting to join ask again at the restart's store
+            self.store.set(launcher_key("restarting"), str(self._attempt + 1))
+        else:
+            self.store.set(launcher_key("closed"), "1")
         nodes = set(self.nodes())
         arrivals = int(self.store.add(launcher_key("arrivals"), 0))
         return [

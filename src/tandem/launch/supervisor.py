@@ -333,14 +333,18 @@ class Supervisor:
         while True:
             placement = coordinator.begin(attempt)  # a fresh store each attempt
             began = time.time()
-            if placement.elastic:  # --nnodes MIN:MAX: this node's number, the job's first size
+            if coordinator.late:  # it joins the job as it runs: at the job's restart count
+                restarts = max(restarts, coordinator.job_restarts)
+            if placement.elastic:  # --nnodes MIN:MAX: this node's number, the attempt's size
+                # A restart renumbers the nodes still there (node 0 decided: settle).
                 self.spec = dataclasses.replace(
                     self.spec, node_rank=placement.node_rank, nnodes=placement.nnodes
                 )
                 if not coordinator.late:
                     first = self.spec.global_rank(0)
+                    formed = f"restarted (restart {restarts})" if attempt else "formed"
                     _say(
-                        f"the job formed with {placement.nnodes} node(s), world size "
+                        f"the job {formed} with {placement.nnodes} node(s), world size "
                         f"{self.spec.world_size}: this is node {placement.node_rank} (ranks "
                         f"{first}..{first + self.spec.nproc_per_node - 1} here)"
                     )
@@ -529,9 +533,8 @@ class Supervisor:
                     members_left = [w.rank for w in running if w.rank not in waiting]
                 why = unable(coordinator.able(members_left)) if members_left else {}
                 nobody = not members_left and not completed
-                elastic = coordinator.elastic
-                if why or (nobody and restarts < self.spec.max_restarts and not elastic):
-                    left = restarts < self.spec.max_restarts and not elastic
+                left = restarts < self.spec.max_restarts
+                if why or (nobody and left):
                     for worker, _ in failed:
                         worker.signal(signal.SIGKILL)  # its children, in its process group
                     fallback = Fallback(
@@ -540,7 +543,6 @@ class Supervisor:
                         restart=restarts + 1 if left else 0,
                         max_restarts=self.spec.max_restarts,
                         nodes=self.spec.nnodes,
-                        elastic=elastic,
                     )
                     summary = fallback_summary(fallback)
                     if many:  # every other node stops its workers too; the first end stands
