@@ -42,36 +42,6 @@ then goes on by itself:
    commit). So the run ends where "train to the failed step, save, resume at the
    new size" ends, bitwise.
 
-**Growing back, and a loss during an admission.** A replacement queued in the store
-(:mod:`tandem.job.join`) is admitted after a step whose vote says every member has seen it
-queued (its counts ride in the same all-reduce). Every generation is decided once, the same
-way whatever brought the members to it:
-
-6. Each member goes to generation ``g + 1`` through one decision (:meth:`Membership.reform`):
-   it joins with its last committed step and, after a commit that admits, the queue place the
-   vote admitted up to. The first member that sees every member of ``g`` joined or gone
-   writes ``g + 1``'s members by ``compare_set``, so a member whose vote passed (it admits)
-   and one whose vote failed (it re-forms) read one membership, and the same join values,
-   whichever wrote first. The decision admits the replacements only when no member of ``g``
-   was lost and none is behind; else it is a re-form, and the replacements stay queued for the
-   next commit's vote. Every member writes each newcomer's admission, the same text.
-7. Before anyone forms the group, every member says it is here (:func:`tandem.job.join.meet`):
-   a member lost since the decision is noticed there, in store calls that return, and the
-   survivors decide ``g + 2``. Then the group forms, a member behind rolls forward (4.), the
-   first member that holds the run hands it to the newcomers (:meth:`Recoverer.hand_over`),
-   every rank starts its generators where a resume at the new size from the last commit starts
-   them (new rank r continues rank r's of that commit; a rank beyond them is seeded by
-   :func:`newcomer_seed`), and with newcomers the new generation's start is committed.
-8. A loss anywhere in this (the hand-over, the start commit; a newcomer's own included) is a
-   loss like any: the survivors decide ``g + 2``. A newcomer that has not got the run yet
-   joins that decision as a *fresh* member (it is behind nobody, and the next generation hands
-   it the run again), one that has it as any member; a newcomer whose generation lost a member
-   before its group formed joins the re-form from its wait to be admitted. One left out stops
-   with a :class:`MembershipError` (the launcher kills and counts it), as any member left out.
-
-So a run with losses during admissions ends where the chain of saves and resumes at each
-generation's size, at each step where a group was formed, ends.
-
 A rank cut off from the store (a partition, or the store's node down: its heartbeat's store
 calls go unanswered for ``heartbeat_timeout``; a watchdog thread notices, since such a call
 waits rather than fails) stops with a :class:`MembershipError` that says so
@@ -307,11 +277,6 @@ class Membership:
         self.joiners_seen = 0
         self.admitted = 0
         self.admits = False  # whether this loop can hand a replacement the state
-        # The last decision's newcomers (replacements admitted by it, and those of a failed
-        # admission that still wait for the run's state: the members hand it to them) and the
-        # members it left out.
-        self.newcomers: list[int] = []
-        self.lost: list[int] = []
 
     @property
     def rank(self) -> int:
@@ -389,46 +354,48 @@ class Membership:
             raise RuntimeError(f"rank {rank} left no state of step {step} or before: {slots}")
         return cast(Slot, slots[found])[1]
 
-    def grow(self, count: int, committed: int | None = None) -> list[int]:
-        """Admit the replacements queued up to ``count`` (the commit's vote said so), through
-        the same decision as a re-form (:meth:`reform`: the first to decide wins everywhere,
-        so a member lost meanwhile makes it a re-form instead). Returns the launch ranks the
-        new generation hands the run to (``newcomers``: none when it became a re-form)."""
-        self.reform(committed, admit=count)
-        return list(self.newcomers)
+    def grow(self, count: int) -> list[int]:
+        """Admit the replacements queued up to ``count`` (the commit's vote said so): the
+        next generation is the members then the newcomers, in the order they asked; rank 0
+        writes it and each newcomer's admission. Returns the newcomers' launch ranks."""
+        newcomers = [
+            int(_text(self.store.get(self.key("joiner", n))))
+            for n in range(self.admitted + 1, count + 1)
+        ]
+        members, g = self.members + newcomers, self.generation + 1
+        if self.rank == 0:
+            self.store.set(self.key(f"gen{g}", "members"), json.dumps(members))
+            for r in newcomers:
+                admission = {
+                    "generation": g,
+                    "members": members,
+                    "admitted": count,
+                    "rank": members.index(r),
+                    "world_size": len(members),
+                    "prefix": self.key(f"gen{g}", "pg") + "/",
+                }
+                self.store.set(self.key("admit", r), json.dumps(admission))
+        self.members, self.generation, self.admitted = members, g, count
+        return newcomers
 
-    def reform(
-        self, committed: int | None = None, admit: int = 0, fresh: bool = False
-    ) -> list[int]:
+    def reform(self, committed: int | None = None) -> list[int]:
         """Agree on the next generation's members; returns the launch ranks that left.
         ``committed``: the last step this rank committed, which it joins with; the newest of
-        the members' is then ``settled``, and those behind it ``behind``. ``admit``: the
-        queued replacements (up to that place in the queue) the last commit's vote admitted on
-        this rank (0: none). ``fresh``: this rank is a replacement that holds no state of the
-        run yet (its admission's hand-over did not complete).
-
-        The decision (the module doc, 6.): the first member to
-        see every member of the generation joined or gone writes the members by compare_set,
-        the survivors in their order, then, only when none was lost and none is behind, the
-        replacements admitted; every member reads the same join values and derives the same
-        verdict (``settled``, ``behind``, ``newcomers``, ``admitted``).
+        the members' is then ``settled``, and those behind it ``behind``.
 
         Raises:
             MembershipError: this rank was left out, or holds no majority, or no agreement
-                came within three heartbeat timeouts, or no member that holds the run's state
-                is left.
+                came within three heartbeat timeouts.
         """
         old, g = self.members, self.generation + 1
-        mine = {"committed": committed, "admit": admit, "fresh": fresh}
-        self.store.set(self.key(f"gen{g}", "join", self.me), json.dumps(mine))
+        self.store.set(self.key(f"gen{g}", "join", self.me), json.dumps(committed))
         deadline = time.monotonic() + 3 * self.heartbeat_timeout
         decided_key = self.key(f"gen{g}", "members")
         while not self.store.check([decided_key]):
             joined = {r for r in old if self.store.check([self.key(f"gen{g}", "join", r)])}
             dead = set(self.dead())
             if joined | dead | self.silent() >= set(old):
-                survivors = [r for r in old if r in joined and r not in dead]
-                proposal = survivors + self._admissible(g, old, survivors)
+                proposal = sorted(joined - dead)
                 self.store.compare_set(decided_key, "", json.dumps(proposal))
                 break
             if time.monotonic() > deadline:
@@ -446,83 +413,21 @@ class Membership:
             )
         confirmed = set(self.dead())
         counted = [r for r in old if r not in confirmed]
-        survivors = [r for r in members if r in old]
-        if 2 * len(survivors) <= len(counted):
+        if 2 * len(members) <= len(counted):
             raise MembershipError(
-                f"rank {self.me}: only {len(survivors)} of the {len(counted)} ranks not known "
+                f"rank {self.me}: only {len(members)} of the {len(counted)} ranks not known "
                 f"dead ({counted}) are reachable: without a majority this side of a partition "
                 "stops rather than train on its own"
             )
         lost = [r for r in old if r not in members]
-        # Every member joined before the decision named it: the same values, read by every
-        # member, give the same verdict everywhere.
-        joins = {r: self._joined(g, r) for r in survivors}
-        settled, behind, count = _verdict(joins)
-        new = [r for r in members if r not in old]
-        if not any(r in joins and not joins[r]["fresh"] for r in members):
-            raise MembershipError(
-                f"rank {self.me}: no member of generation {g} ({members}) holds the run's "
-                f"state: every member that did was lost ({lost}); the job cannot go on"
-            )
-        if not lost and not behind and count > self.admitted:
-            # The queue up to the vote's place is settled, admitted or (marked dead while
-            # queued) passed over, as the decider's proposal did (:meth:`_admissible`).
-            self.admitted = count
-        self.newcomers = [r for r in members if r in new or joins[r]["fresh"]]
-        self._write_admissions(g, members, new, self.newcomers)
-        self.settled, self.behind = settled, behind
-        self.lost = lost
+        # Every member joined with its last committed step before the decision named it: the
+        # same values, read by every member, give the same verdict everywhere.
+        steps = {r: json.loads(self.store.get(self.key(f"gen{g}", "join", r))) for r in members}
+        known = [c for c in steps.values() if c is not None]
+        self.settled = max(known) if known else None
+        self.behind = [r for r in members if steps[r] != self.settled]
         self.members, self.generation = members, g
         return lost
-
-    def _joined(self, g: int, rank: int) -> dict[str, Any]:
-        """What ``rank`` joined generation ``g`` with (:meth:`reform`'s ``mine``)."""
-        return cast(dict[str, Any], json.loads(self.store.get(self.key(f"gen{g}", "join", rank))))
-
-    def _admissible(self, g: int, old: list[int], survivors: list[int]) -> list[int]:
-        """The decider's part: the replacements generation ``g`` admits. None when a member of
-        the generation was lost or a survivor is behind (the queue stays: the next commit's
-        vote names them again), else those queued up to the place the vote admitted, less
-        any marked dead while it waited."""
-        _, behind, count = _verdict({r: self._joined(g, r) for r in survivors})
-        if behind or len(survivors) < len(old) or count <= self.admitted:
-            return []
-        queued = [
-            int(_text(self.store.get(self.key("joiner", n))))
-            for n in range(self.admitted + 1, count + 1)
-        ]
-        return [r for r in queued if not self.store.check([self.key("dead", r)])]
-
-    def _write_admissions(
-        self, g: int, members: list[int], new: list[int], newcomers: list[int]
-    ) -> None:
-        """Each newcomer's admission (``admit/<launch rank>``, :mod:`tandem.job.join`): written
-        by every member, the same text, so that any member lost after the decision leaves it
-        written all the same."""
-        for r in new:
-            admission = {
-                "generation": g,
-                "members": members,
-                "admitted": self.admitted,
-                "rank": members.index(r),
-                "world_size": len(members),
-                "prefix": self.key(f"gen{g}", "pg") + "/",
-                "newcomers": newcomers,
-            }
-            self.store.set(self.key("admit", r), json.dumps(admission))
-
-
-def _verdict(joins: Mapping[int, Mapping[str, Any]]) -> tuple[int | None, list[int], int]:
-    """From what each survivor joined a generation with (:meth:`Membership.reform`): the
-    step they go on from (the newest any of them committed; a fresh replacement's counts
-    not), the members behind it (not the fresh: they are handed the run instead), and the
-    queue place the vote of that step admitted up to (0: none)."""
-    holding = {r: j for r, j in joins.items() if not j["fresh"]}
-    known = [j["committed"] for j in holding.values() if j["committed"] is not None]
-    settled = max(known) if known else None
-    behind = [r for r, j in holding.items() if j["committed"] != settled]
-    count = max((int(j["admit"]) for j in holding.values() if j["committed"] == settled), default=0)
-    return settled, behind, count
 
 
 class _Heartbeat(threading.Thread):
@@ -828,7 +733,6 @@ class Recoverer:
         self.behind = False
         self.caught_up: Any = None
         self.joined = False
-        self._backend = "gloo"  # the groups' backend, as the last group formed had it
         size = group_size()
         if size > 1 and enabled():
             timeout = heartbeat_timeout or float(
@@ -842,8 +746,6 @@ class Recoverer:
                 self.members.me, self.members.members = me, list(join.admitted["members"])
                 self.members.generation = int(join.admitted["generation"])
                 self.members.admitted = int(join.admitted["admitted"])
-                # Those the members hand the run to, this rank among them.
-                self.members.newcomers = [int(r) for r in join.admitted["newcomers"]]
             # The launcher recovers in memory only if every worker said it would, and starts a
             # replacement only if every one admits it (hands it the state: Run does).
             self.members.store.set(self.members.key("able", self.members.me), ABLE)
@@ -1048,23 +950,27 @@ class Recoverer:
         assert self.members is not None
         return self.members.joiners_seen if self.members.admits else self.members.admitted
 
-    def grow(
-        self,
-        step: int,
-        count: int,
-        release: Callable[[], None],
-        ahead: Callable[[], Any] | None = None,
-    ) -> list[int]:
+    def grow(self, step: int, count: int, release: Callable[[], None]) -> list[int]:
         """Admit the replacements queued up to ``count`` after step ``step`` (every member
-        calls it at the same step boundary): the next generation is decided as a re-form's is
-        (:meth:`reform`, with ``admit``), so a member lost meanwhile, or one that did not
-        commit the step, makes it a re-form instead; then the group is formed anew with the
-        newcomers appended. Returns the launch ranks the caller hands the run to (the
-        newcomers; none when it became a re-form: ``Membership.lost`` or ``behind``
-        then say so, and the caller goes on as after :meth:`reform`)."""
-        assert self.members is not None
-        self.reform(step, release, ahead, admit=count)
-        return list(self.members.newcomers)
+        calls it at the same step boundary): the group is formed anew with them appended;
+        ``release`` drops the caller's hold on the old group (as for :meth:`reform`). Returns
+        the newcomers' launch ranks. The caller then hands them the state (a collective the
+        newcomers join from their constructor)."""
+        assert self.members is not None and self._heartbeat is not None
+        started = time.monotonic()
+        with self._heartbeat.lock, self._reachable():
+            newcomers = self.members.grow(count)
+        g = self._form_group(release)
+        grown = Recovery(
+            generation=g, lost=[], members=list(self.members.members), step=step,
+            detected_s=None, joined=newcomers, started=started,
+        )  # fmt: skip
+        self._pending.append(grown)
+        log.warning(
+            "admitted replacement(s) %s after step %d: going on as rank %d of %d",
+            newcomers, step, self.members.rank, self.members.world_size,
+        )  # fmt: skip
+        return newcomers
 
     def hand_over(self, state: Any, own: Any = None) -> tuple[Any, list[Any]]:
         """Admitting replacements, over the group :meth:`grow` formed (a collective: the members
@@ -1076,14 +982,10 @@ class Recoverer:
 
             state, owns = recoverer.hand_over({"optimizer": opt.state_dict()}, own=mine)
         """
-        members = self.members
-        assert members is not None
-        # The first member that holds the run (rank 0 but where every member holding it was
-        # lost, which the decision refuses: the newcomers come last).
-        source = next(i for i, r in enumerate(members.members) if r not in members.newcomers)
-        handed: list[Any] = [state if members.rank == source else None]
-        dist.broadcast_object_list(handed, src=source)
-        owns: list[Any] = [None] * members.world_size
+        assert self.members is not None
+        handed: list[Any] = [state if self.members.rank == 0 else None]
+        dist.broadcast_object_list(handed, src=0)
+        owns: list[Any] = [None] * self.members.world_size
         dist.all_gather_object(owns, own)
         return handed[0], owns
 
@@ -1127,19 +1029,11 @@ class Recoverer:
         return False
 
     def reform(
-        self,
-        step: int,
-        release: Callable[[], None],
-        ahead: Callable[[], Any] | None = None,
-        admit: int = 0,
+        self, step: int, release: Callable[[], None], ahead: Callable[[], Any] | None = None
     ) -> list[int]:
-        """Agree on the next generation (the survivors of a loss, or with ``admit``, the
-        members and the replacements their last commit's vote admitted: :meth:`grow`), take
-        the old group down and form the new one, and settle the step they go on from; returns
-        the old generation's members (launch ranks, in their old rank order). The newcomers
-        the decision names (``Membership.newcomers``: admitted now, or admitted by a
-        generation that failed before they had the run) are then handed the run by the
-        caller (:meth:`hand_over`); a newcomer calls this too when its take-over fails.
+        """Agree on the survivors, take the old group down and form the new one, and settle
+        the step they go on from; returns the old generation's members (launch ranks, in their
+        old rank order).
 
         ``release`` drops everything of the old group the caller holds (its DDP wrapper, the
         reducer's hooks): the old group's sockets close only when its last reference goes, and
@@ -1156,17 +1050,14 @@ class Recoverer:
 
         Raises:
             MembershipError: this rank cannot go on.
-            _Lost: a member of the new generation was lost before its group formed (the
-                caller re-forms again).
         """
         assert self.members is not None and self._heartbeat is not None
         noticed, now = time.monotonic(), time.time()
-        fresh = self.joined and self.last_commit is None  # a newcomer never handed the run
         with self._heartbeat.lock, self._reachable():
             dead, beats = self.members.dead(), self.members.last_beats()
             old_members = list(self.members.members)
             committed = None if self.last_commit is None else self.last_commit[0]
-            lost = self.members.reform(committed, admit=admit, fresh=fresh)
+            lost = self.members.reform(committed)
             mismatch.reset()  # the new group starts with no failure
         # Detection time: from the launcher's record of the death, else from the last beat.
         since = [float(dead[r]["at"]) if r in dead else beats.get(r) for r in lost]
@@ -1176,7 +1067,6 @@ class Recoverer:
         self.behind, self.caught_up = self._roll_forward(ahead)
         if self.behind:
             step += 1  # the others committed the step this rank was in: the redo is the next
-        newcomers = list(self.members.newcomers)
         self._pending.append(  # after another one whose redo this loss cut short
             Recovery(
                 generation=g,
@@ -1184,20 +1074,16 @@ class Recoverer:
                 members=list(self.members.members),
                 step=step,
                 detected_s=detected,
-                joined=newcomers,
                 started=noticed,
             )
         )
-        if lost or not newcomers:
-            log.warning(
-                "lost rank(s) %s at step %d: going on as rank %d of %d",
-                lost, step, self.members.rank, self.members.world_size,
-            )  # fmt: skip
-        if newcomers:
-            log.warning(
-                "admitting replacement(s) %s after step %d: going on as rank %d of %d",
-                newcomers, step, self.members.rank, self.members.world_size,
-            )  # fmt: skip
+        log.warning(
+            "lost rank(s) %s at step %d: going on as rank %d of %d",
+            lost,
+            step,
+            self.members.rank,
+            self.members.world_size,
+        )
         return old_members
 
     def _roll_forward(self, ahead: Callable[[], Any] | None) -> tuple[bool, Any]:
@@ -1216,9 +1102,7 @@ class Recoverer:
                 f"rank {members.me} is behind step {members.settled} without having voted on "
                 f"it (last vote: {self.voting})"
             )
-        # The first member that committed the step (not one behind, nor a newcomer).
-        without = set(members.behind) | set(members.newcomers)
-        source = next(i for i, r in enumerate(members.members) if r not in without)
+        source = next(i for i, r in enumerate(members.members) if r not in members.behind)
         sent: list[Any] = [None]
         if members.rank == source:
             sent = [(self.last_commit, None if ahead is None else ahead())]
@@ -1243,34 +1127,21 @@ class Recoverer:
     def _form_group(self, release: Callable[[], None]) -> int:
         """Leave the old group (``release`` first drops the caller's hold on it) and form the
         current generation's over its key prefix of the job's store; the generation."""
-        members = self.members
-        assert members is not None
-        g = members.generation
-        # Every member says it is here first: one lost since the decision is noticed in
-        # store calls that return (a re-form follows), not by the group's formation, which
-        # would wait for it to the group's timeout.
-        with self._reachable():
-            gone = join.meet(
-                members.store, members.key(f"gen{g}", ""), members.me, members.members,
-                members.gone, timeout_s=max(60.0, 6 * members.heartbeat_timeout),
-            )  # fmt: skip
-        if gone:
-            raise _Lost(f"rank(s) {sorted(gone)} of generation {g} left before its group formed")
-        # The backend of the group being left: none is left when a formation failed before.
-        backend = dist.get_backend() if dist.is_initialized() else self._backend
-        self._backend = backend
+        assert self.members is not None
+        backend = dist.get_backend()
         release()
         records.clear()
         _abandon_group()
         gc.collect()
+        g = self.members.generation
         dist.init_process_group(
             backend,
-            store=dist.PrefixStore(members.key(f"gen{g}", "pg") + "/", _job_store()),
-            rank=members.rank,
-            world_size=members.world_size,
-            timeout=timedelta(seconds=max(60.0, 6 * members.heartbeat_timeout)),
+            store=dist.PrefixStore(self.members.key(f"gen{g}", "pg") + "/", _job_store()),
+            rank=self.members.rank,
+            world_size=self.members.world_size,
+            timeout=timedelta(seconds=max(60.0, 6 * self.members.heartbeat_timeout)),
         )
-        reformed(members.rank, members.world_size)
+        reformed(self.members.rank, self.members.world_size)
         return g
 
     def committed(self) -> None:
@@ -1522,114 +1393,55 @@ class Run:
         self._ddp, self.model = None, self.module
 
     def _admit(self, count: int) -> None:
-        """Admit the replacements the commit's vote named (``count``: up to that place in the
-        queue; every member that committed the step does it after it): the next generation is
-        decided as a re-form's is, so a member lost meanwhile, or one that did not commit the
-        step, makes it a re-form, which this rank goes through as any (:meth:`_recover`)."""
-        if count:
-            self._recover(admit=count)
+        """Admit the replacements the commit's vote named (``count`` queued; every member
+        does it after the same step), hand them the run's state from rank 0, and commit the
+        new generation's start (which may name more)."""
+        while count:
+            self.recoverer.grow(self.step_count, count, self._release)
+            self.model = self._wrap()  # its constructor broadcasts rank 0's parameters
+            self.recoverer.hand_over(
+                {"optimizer": self.optimizer.state_dict(), "run": self.state_dict()}
+            )
+            self._start_sampler()
+            count = self.recoverer.commit(self.step_count - 1, self._rng.value())
 
     def _take_over(self) -> None:
-        """A replacement, admitted (its wrapper's constructor took the parameters): take the
-        run from the members and commit the new generation's start with them
-        (:meth:`_settle`). A member lost meanwhile (or this rank's take-over failing) makes
-        it join the re-form as a member that holds nothing yet, or, once it holds the run, as
-        any member."""
-        try:
-            count = self._settle()
-        except MembershipError:
-            raise
-        except Exception as error:
-            if not self.recoverer.lost(error):
-                raise
-            count = -1
-        # Outside the except block: the failed collective's frames are gone first.
-        if count < 0:
-            self._recover()
-        else:
-            self._admit(count)
+        """A replacement, admitted: take the run's state from rank 0 (the parameters came with
+        the wrapper's constructor), start its generators where a resume at this world size
+        would (:func:`newcomer_seed`), and commit the new generation's start with the
+        members."""
+        state, _ = self.recoverer.hand_over(None)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.load_state_dict(state["run"])
+        seed_rng(newcomer_seed(self.seed, self.step_count, self.rank))
+        self._rng.forget()
+        self._admit(self.recoverer.commit(self.step_count - 1, self._rng.value()))
 
-    def _recover(self, admit: int = 0) -> bool:
-        """Go to the next generation: the survivors after a loss, or (``admit``) the members
-        with the replacements their last commit's vote admitted, whichever the members decide
-        first (:meth:`Recoverer.reform`). A member behind the step the others committed rolls
-        forward to the state that step left on one that committed it (its own gradients may
-        be partial sums, the vote riding in their all-reduce); the newcomers are handed the
-        run; a loss meanwhile re-forms again. Whether this rank rolled forward to the step it
-        was in (its vote completed elsewhere, not here)."""
+    def _recover(self) -> bool:
+        """Re-form with the survivors and go back to the last step they committed; whether
+        that is the step this rank was in (its vote completed elsewhere, not here: it rolls
+        forward to the state that step left on a member that committed it; its own gradients
+        may be partial sums, the vote riding in their all-reduce)."""
 
         def ahead() -> dict[str, Any]:
             return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict()}
 
-        rolled, failed = False, False
-        while True:
-            try:
-                self.recoverer.reform(self.step_count, self._release, ahead, admit=admit)
-                settled = self.recoverer.last_commit
-                behind = (
-                    self.recoverer.behind and settled is not None and self.step_count == settled[0]
-                )
-                if behind:
-                    caught_up = self.recoverer.caught_up
-                    self.module.load_state_dict(caught_up["model"])
-                    self.optimizer.load_state_dict(caught_up["optimizer"])
-                    # With the old world's sampler: where that step left the epoch.
-                    self._apply(step_optimizer=False)
-                    rolled = True
-                self.model = self._wrap()
-                admit = self._settle()
-            except MembershipError:
-                raise
-            except Exception as error:
-                if not self.recoverer.lost(error):
-                    raise
-                failed = True
-            # Outside the except block: the failed collective's frames are gone first.
-            if failed:
-                failed, admit = False, 0
-                continue
-            if not admit:
-                return rolled
-
-    def _settle(self) -> int:
-        """A new generation, its wrapper made: hand the run to its newcomers (one of them:
-        take it), deal the samples anew, and start every rank's generators where a resume at
-        this world size from the last commit starts them: new rank r continues rank r's of
-        that commit (its own where it keeps its number), a rank beyond them is seeded as such
-        a resume seeds it (:func:`newcomer_seed`). With newcomers, the new generation's start
-        is committed (a loss right after goes back to it); the count to admit next (0: none).
-        """
-        members = self.members
-        assert members is not None
-        newcomers = members.newcomers
-        if newcomers:
-            fresh = members.me in newcomers
-            state: dict[str, Any] | None = None
-            if not fresh:
-                state = {
-                    "optimizer": self.optimizer.state_dict(),
-                    "run": self.state_dict(),
-                    "commit": self.recoverer.last_commit,
-                }
-            handed, _ = self.recoverer.hand_over(state)
-            if fresh:
-                self.optimizer.load_state_dict(handed["optimizer"])
-                self.load_state_dict(handed["run"])
-                step, committed_members = handed["commit"]
-                # Holding the run from here on: a loss re-forms it as any member.
-                self.recoverer.last_commit = (step, list(committed_members))
+        self.recoverer.reform(self.step_count, self._release, ahead)
+        settled = self.recoverer.last_commit
+        behind = self.recoverer.behind and settled is not None and self.step_count == settled[0]
+        if behind:
+            caught_up = self.recoverer.caught_up
+            self.module.load_state_dict(caught_up["model"])
+            self.optimizer.load_state_dict(caught_up["optimizer"])
+            # With the old world's sampler: where that step left the epoch.
+            self._apply(step_optimizer=False)
+        self.model = self._wrap()
         self._start_sampler()
-        last = self.recoverer.last_commit
-        assert last is not None
-        if self.rank < len(last[1]):
-            own = self.recoverer.committed_states()[self.rank]
-            restore_rng_state(expand_rng_state(decode(own)))
-        else:
-            seed_rng(newcomer_seed(self.seed, self.step_count, self.rank))
+        # New rank r continues rank r's generators of the last commit (as a resume at another
+        # world size maps them): its own where it keeps its number.
+        restore_rng_state(expand_rng_state(decode(self.recoverer.committed_states()[self.rank])))
         self._rng.forget()
-        if not newcomers:
-            return 0
-        return self.recoverer.commit(self.step_count - 1, self._rng.value())
+        return behind
 
 
 class RngText:

@@ -20,11 +20,7 @@ STEP, WHERE =
 - ``step``: SIGKILL inside ``optimizer.step`` (a step pre-hook): every member voted (``Run``
   steps the optimizer only then), so the others apply that step and meet the loss at the next
   one;
-- ``hang``: SIGSTOP before its backward (alive, silent, its connections open);
-- ``handover``: SIGKILL as it enters ``Recoverer.hand_over`` (an admission's hand-over of the
-  run: a member about to hand it, or a replacement about to take it); STEP is the run's step
-  count then, or ``*`` for the first hand-over it takes part in (a replacement's count is 0
-  until it has the run).
+- ``hang``: SIGSTOP before its backward (alive, silent, its connections open).
 
 ``--split RANK:STEP`` (repeatable) makes launch rank RANK raise as if its vote on step STEP had
 failed, right after it completed there (``tandem.recovery._after_vote``): the vote then
@@ -44,10 +40,6 @@ meanwhile, so that the cut comes at a known step).
 Before it goes, the victim writes ``OUT.killed-RANK`` (JSON: where, step, the world size it was
 in, and for ``backward`` the buckets launched and in all). Every worker writes its process id
 to ``OUT.pid-RANK`` at its start (the test checks that none is left at the end).
-
-``--await STEP:N`` (repeatable) makes every rank wait before its backward at step STEP until it
-has seen N replacements queued (the heartbeat's count): the step's vote then admits them, at a
-step the test knows, whenever the replacements' processes got there.
 
 ``--step-sleep S`` sleeps S seconds in every step (a replacement has time to start and join).
 A ``--resume`` at a larger world size seeds the ranks the saved run had not as an admitted
@@ -79,8 +71,7 @@ import tandem.recovery
 from tandem.checkpoint.rng import capture_rng_state, restore_rng_state, seed_rng
 from tandem.recovery import Run, newcomer_seed
 
-WHERES = ("forward", "backward", "voted", "commit", "step", "hang", "handover")
-ANY = -1  # a --kill STEP of ``*``: the first time this rank gets there
+WHERES = ("forward", "backward", "voted", "commit", "step", "hang")
 
 
 def data() -> TensorDataset:
@@ -94,7 +85,7 @@ def kill_spec(text: str) -> tuple[int, int, str]:
     rank, step, where = text.split(":")
     if where not in WHERES:
         raise argparse.ArgumentTypeError(f"WHERE is one of {', '.join(WHERES)}, not {where!r}")
-    return int(rank), ANY if step == "*" else int(step), where
+    return int(rank), int(step), where
 
 
 def pause_spec(text: str) -> tuple[int, int]:
@@ -108,7 +99,6 @@ def main() -> None:
     parser.add_argument("--kill", type=kill_spec, action="append", default=[])
     parser.add_argument("--pause", type=pause_spec, action="append", default=[])
     parser.add_argument("--split", type=pause_spec, action="append", default=[])
-    parser.add_argument("--await", dest="awaits", type=pause_spec, action="append", default=[])
     parser.add_argument("--stop-after", type=int, default=None)
     parser.add_argument("--resume", default=None)
     parser.add_argument("--epochs", type=int, default=1)
@@ -126,28 +116,7 @@ def main() -> None:
     opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
     torch.manual_seed(100 + me)  # every rank draws its own dropout masks
     ddp_kwargs = {} if args.bucket_cap_mb is None else {"bucket_cap_mb": args.bucket_cap_mb}
-    mine = {where: step for rank, step, where in args.kill if rank == me}
-    made: list[Run] = []  # the run, once made (a replacement takes over in its constructor)
-    hand_over = tandem.recovery.Recoverer.hand_over
-
-    def lose(where: str, **details: int) -> None:
-        """SIGKILL (SIGSTOP for ``hang``) this rank if it is to be lost here at this step."""
-        step = made[0].step_count if made else 0
-        if where not in mine or mine[where] not in (step, ANY):
-            return
-        record = {"where": where, "step": step}
-        if made:
-            record["world_size"] = made[0].world_size
-        Path(f"{args.out}.killed-{me}").write_text(json.dumps({**record, **details}))
-        os.kill(os.getpid(), signal.SIGSTOP if where == "hang" else signal.SIGKILL)
-
-    def handing_over(self: tandem.recovery.Recoverer, *a: object, **k: object) -> object:
-        lose("handover", world_size=self.world_size)
-        return hand_over(self, *a, **k)
-
-    tandem.recovery.Recoverer.hand_over = handing_over
     run = Run(net, opt, data(), batch_size=4, epochs=args.epochs, seed=3, ddp_kwargs=ddp_kwargs)
-    made.append(run)
     if args.resume:
         saved = torch.load(args.resume, weights_only=True)
         net.load_state_dict(saved["model"])
@@ -159,8 +128,8 @@ def main() -> None:
             restore_rng_state(saved["rng"][rank])
         else:  # a rank the saved run had not: seeded as a replacement admitted there is
             seed_rng(newcomer_seed(3, run.step_count, rank))
+    mine = {where: step for rank, step, where in args.kill if rank == me}
     pauses = {step for rank, step in args.pause if rank == me}
-    awaits = {step: count for step, count in args.awaits}
     splits = {step for rank, step in args.split if rank == me}
 
     def after_vote(step: int) -> None:
@@ -188,6 +157,14 @@ def main() -> None:
         while not Path(f"{args.out}.go-{me}").exists():
             time.sleep(0.02)
 
+    def lose(where: str, **details: int) -> None:
+        """SIGKILL (SIGSTOP for ``hang``) this rank if it is to be lost here at this step."""
+        if mine.get(where) != run.step_count:
+            return
+        record = {"where": where, "step": run.step_count, "world_size": run.world_size}
+        Path(f"{args.out}.killed-{me}").write_text(json.dumps({**record, **details}))
+        os.kill(os.getpid(), signal.SIGSTOP if where == "hang" else signal.SIGKILL)
+
     def in_backward(grad: torch.Tensor) -> None:
         if "backward" in mine:
             reducer = run.model.reducer  # type: ignore[union-attr]
@@ -210,11 +187,6 @@ def main() -> None:
         lose("forward")
         lose("hang")  # hung: alive, silent, holding its sockets
         pause()
-        if run.step_count in awaits:  # every member sees the replacements queued by its vote
-            deadline = time.monotonic() + 120
-            while run.recoverer._seen() < awaits[run.step_count]:
-                assert time.monotonic() < deadline, f"no replacement {awaits[run.step_count]}"
-                time.sleep(0.02)
         loss.backward()
         lose("commit")
         return loss.item()
