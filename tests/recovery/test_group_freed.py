@@ -138,20 +138,27 @@ def _cycles() -> dict:
         else:
             _stop_rank(store, 2, str(g))
             work, blocked = _wait_on_stopped()
+            # Both survivors look before either cuts: a cut closes this rank's connections to
+            # the other survivor too, which would fail the other's all-reduce early.
+            store.set(f"looked/{g}/{rank}", "1")
+            store.wait([f"looked/{g}/{1 - rank}"])
             started = time.monotonic()
             _abandon_group()
             took_down_s = time.monotonic() - started
+            early = None
             try:  # bounded: a wait that outlives BOUND_S fails the test, not the harness
                 work.wait(timeout=timedelta(seconds=BOUND_S))
                 failed = False
-            except RuntimeError:
+            except RuntimeError as error:
                 failed = True
+                early = None if blocked else str(error)[:300]  # why it did not wait
             waited_s = time.monotonic() - started
             del work  # it holds the old group's Gloo context (and its device's loop thread)
             freed = _groups_reaper.wait_reaped(BOUND_S)
             out["cycles"].append(
                 {
                     "blocked": blocked,
+                    "early": early,
                     "failed": failed,
                     "waited_s": waited_s,
                     "took_down_s": took_down_s,
@@ -184,7 +191,10 @@ def test_old_groups_are_freed_with_a_peer_stopped() -> None:
             continue
         assert len(r["cycles"]) == CYCLES, (rank, r)
         for c in r["cycles"]:
-            assert c["blocked"], f"rank {rank}: the all-reduce did not wait on the stopped peer"
+            assert c["blocked"], (
+                f"rank {rank}: the all-reduce did not wait on the stopped peer",
+                c,
+            )
             # The wait ends with the cut, long before the group's timeout.
             assert c["failed"] and c["waited_s"] < BOUND_S, (rank, c)
             assert c["took_down_s"] < 1.0, (rank, c)  # the caller does not wait for the free
