@@ -14,6 +14,9 @@ Proves, in one process (and in child processes killed mid-write):
   naming the file, leaves no temporary file and commits nothing (no sidecar, ``latest``
   unchanged); a committed file one of whose chunks is changed or cut on disk afterwards is
   refused by the load as corrupt or truncated;
+- a shard's directory removed by another rank's prune of uncommitted shards (still tidying
+  after the previous background save) just before this rank's temporary file is in it: made
+  again, and the shard written; a directory that keeps going raises, naming the file;
 - a kill mid-write: a process SIGKILLed half-way through a chunk of its checkpoint's write
   (a synchronous Trainer save, and ``tandem.checkpoint.save(..., async_=True)``) leaves no
   loadable incomplete checkpoint: the Trainer's ``latest`` still names the previous one, which
@@ -191,6 +194,35 @@ def test_a_write_torn_in_a_chunk_raises_and_commits_nothing(tmp_path, monkeypatc
     ]
     assert list((tmp_path / "shards" / "s").iterdir()) == []  # no temporary file left
     assert latest_checkpoint(run) == first and list_checkpoints(run) == [first]
+
+
+def test_a_shard_is_written_though_another_rank_prunes_its_empty_directory(tmp_path, monkeypatch):
+    """Two ranks saving in the background: rank 1, still pruning after save N, sees save N+1's
+    directory that rank 0 just made, uncommitted and empty, and removes it before rank 0's
+    temporary file is in it (seen once in the full suite as ENOENT on that file)."""
+    real = shards.write_temp_digested
+    calls: list[bool] = []
+
+    def pruned_first(directory, name, write, *args, **kwargs):
+        calls.append(directory.is_dir())
+        if len(calls) == 1:
+            shards.prune_shards(tmp_path, committed=set(), rank=1)
+            assert not directory.exists()  # the race, made to happen
+        return real(directory, name, write, *args, **kwargs)
+
+    monkeypatch.setattr(shards, "write_temp_digested", pruned_first)
+    digest = shards.write_shard(_state(), tmp_path, "ckpt-e0000-s00000009", 0)
+    assert calls == [True, True]  # made again, written once
+    read = shards.read_shard(tmp_path, "ckpt-e0000-s00000009", 0, digest)
+    assert torch.equal(read["w"], _state()["w"])
+
+    def always_pruned(directory, name, write, *args, **kwargs):
+        shards.prune_shards(tmp_path, committed=set(), rank=1)
+        return real(directory, name, write, *args, **kwargs)
+
+    monkeypatch.setattr(shards, "write_temp_digested", always_pruned)
+    with pytest.raises(OSError, match=r"cannot save shard .*s00000010.*rank00000\.pt"):
+        shards.write_shard(_state(), tmp_path, "ckpt-e0000-s00000010", 0)  # bounded: no loop
 
 
 @pytest.mark.parametrize("change", ["a byte of a chunk", "the last chunk cut"])

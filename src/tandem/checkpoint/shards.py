@@ -48,6 +48,9 @@ def shard_path(ckpt_dir: Path, checkpoint: str, rank: int) -> Path:
     return ckpt_dir / SHARDS_DIR / checkpoint / f"rank{rank:05d}.pt"
 
 
+_CREATE_ATTEMPTS = 5
+
+
 def write_shard(state: dict[str, Any], ckpt_dir: Path, checkpoint: str, rank: int) -> str:
     """Write ``rank``'s shard of ``checkpoint`` atomically; its sha256 hex digest.
 
@@ -56,9 +59,20 @@ def write_shard(state: dict[str, Any], ckpt_dir: Path, checkpoint: str, rank: in
     """
     path = shard_path(ckpt_dir, checkpoint, rank)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        # Hashed as written, as a checkpoint file is (run_dir.write_committed says why).
-        tmp, digest = write_temp_digested(path.parent, path.name, lambda f: torch.save(state, f))
+        for attempt in range(_CREATE_ATTEMPTS):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                # Hashed as written, as a checkpoint file is (run_dir.write_committed says why).
+                tmp, digest = write_temp_digested(
+                    path.parent, path.name, lambda f: torch.save(state, f)
+                )
+                break
+            except FileNotFoundError:
+                # Another rank's prune_shards, still tidying after the previous save (in the
+                # background), removed this checkpoint's directory while it was empty: made
+                # again. Once our temporary file is in it, no rmdir can take it.
+                if path.parent.is_dir() or attempt == _CREATE_ATTEMPTS - 1:
+                    raise
         try:
             rename_into_place(tmp, path)
         except BaseException:
