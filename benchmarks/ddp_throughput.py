@@ -26,13 +26,15 @@ Run::
 nothing fails: every step commits (:meth:`tandem.recovery.Recoverer.commit`, its vote riding in
 the gradient all-reduce: this rank's generators, when they changed, and its loss sums left in
 the job's store, taken and sent on a thread from the start of the backward, the last bucket
-waiting for it only if it is not done) and a heartbeat thread beats; and the same commit the
-old way (``tandem_committed_inline``: the state taken and sent right before the last bucket, on
-the step's path). It prints committed/plain for both, each pair's ratio summarized as its
-median and a bootstrap 95% interval of that median (resampling the pairs), and the time each
-commit spends on the step's path, timed inside every step (the vote's calls from the reducer
-and the commit after the backward; the slowest rank's, median over the steps) beside the
-median step. Run it with ``--interleave step`` (the step times come from there).
+waiting for it only if it is not done) and a heartbeat thread beats; and the same commit on the
+step's path (``tandem_committed_inline``: the state taken and sent right before the last
+bucket). Which of the two ``--recover in-memory`` takes by default depends on the cores a rank
+has (:func:`tandem.recovery.commit_off_path`); the table says which. It prints committed/plain
+for both, each pair's ratio summarized as its median and a bootstrap 95% interval of that
+median (resampling the pairs), and the time each commit spends on the step's path, timed
+inside every step (the vote's calls from the reducer and the commit after the backward; the
+slowest rank's, median over the steps) beside the median step. Run it with ``--interleave
+step`` (the step times come from there).
 """
 
 from __future__ import annotations
@@ -116,7 +118,7 @@ ENGINES = ("tandem", "torch")
 # rounds (tandem.doctor.records), to measure what recording costs.
 UNRECORDED = "tandem_unrecorded"
 # With --recovery-overhead: tandem.DDP committing every step as under --recover in-memory (the
-# state taken and sent off the step's path), and the same the old way (on the path).
+# state taken and sent off the step's path), and the same on the path.
 COMMITTED = "tandem_committed"
 INLINE = "tandem_committed_inline"
 
@@ -435,6 +437,13 @@ def main(argv: list[str] | None = None) -> dict:
         "torch": torch.__version__,
         "load_average": {"before": before, "after": os.getloadavg()},  # 1, 5, 15 min
     }
+    default_off_path = None
+    if args.recovery_overhead:
+        from tandem.recovery import commit_off_path
+
+        # What --recover in-memory would take for these ranks, all on this machine.
+        default_off_path = commit_off_path({**os.environ, "LOCAL_WORLD_SIZE": str(args.world)})
+        meta["commit_off_path_by_default"] = default_off_path
     result = {"meta": meta, "models": report}
     args.json.write_text(json.dumps(result, indent=2))
 
@@ -472,7 +481,9 @@ def main(argv: list[str] | None = None) -> dict:
         print("|---|---|---:|---:|---|---:|---:|---:|")
         for name, r in report.items():
             for engine, c in r["recovery"].items():
-                way = "off the path" if engine == COMMITTED else "on the path (old)"
+                off = engine == COMMITTED
+                way = "off the path" if off else "on the path"
+                way += " (the default here)" if off == default_off_path else ""
                 low, high = c["time_ratio_interval_95"]
                 step = "-" if c["step_ms"] is None else f"{c['step_ms']:.2f}"
                 share = "-" if c["on_path_share"] is None else f"{100 * c['on_path_share']:.2f}%"

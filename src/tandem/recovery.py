@@ -583,18 +583,55 @@ class _Sender(threading.Thread):
 _SLICE_S = 0.5
 
 
+OFF_PATH_VARIABLE = "TANDEM_COMMIT_OFF_PATH"
+
+
+def commit_off_path(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether a rank's commit should take and send its state on a thread of its own, off the
+    step's path (:meth:`Recoverer.attach`): True when this process has at least two cores for
+    each rank of its node (``LOCAL_WORLD_SIZE``, 1 if unset), so the sender's few hundred
+    microseconds of work run beside the backward. With a core per rank or fewer the thread
+    takes its CPU from the backward, which then ends later than doing the same work on the
+    path: measured on a 2-core machine with 2 ranks, 1.045 against 0.991 of a plain step
+    (docs/guides/recovery.md). ``TANDEM_COMMIT_OFF_PATH=1`` (or ``0``) decides instead.
+
+    Example::
+
+        commit_off_path({"LOCAL_WORLD_SIZE": "8"})  # True on a 16-core node, False on 8
+    """
+    env = os.environ if environ is None else environ
+    chosen = env.get(OFF_PATH_VARIABLE, "").strip()
+    if chosen:
+        if chosen not in ("0", "1"):
+            raise ValueError(
+                f"{OFF_PATH_VARIABLE}={chosen!r}: use 1 (the commit's state taken on a thread "
+                "of its own) or 0 (on the step's path), or unset it to decide by the cores"
+            )
+        return chosen == "1"
+    try:
+        per_node = max(1, int(env.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        per_node = 1
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        cores = os.cpu_count() or 1
+    return cores >= 2 * per_node
+
+
 class _BucketVote:
     """The commit vote as it rides in a DDP backward (a
     :class:`tandem.parallel.ddp.end_of_backward.Vote`; see the module doc).
 
-    Off the step's path (``off_path``, the default): as the backward starts (its first
-    gradient hook: the loss and the generators the forward left are known), a thread of its own
-    (:class:`_Sender`) takes this rank's own state and leaves it in the store. Right before the
-    last bucket the vote waits for that only if it is not done, and looks at the generators'
-    raw words again (:func:`_rng_look`, some microseconds): if the backward moved them (a custom
-    autograd Function that draws), the state is taken and sent again, there, on the path. So
-    what the store holds for the step is what the backward's last bucket leaves, as before, and
-    it is there before this rank enters the collective whose completion is the vote.
+    Off the step's path (``off_path``; by default where a core is spare,
+    :func:`commit_off_path`): as the backward starts (its first gradient hook: the loss and
+    the generators the forward left are known), a thread of its own (:class:`_Sender`) takes
+    this rank's own state and leaves it in the store. Right before the last bucket the vote
+    waits for that only if it is not done, and looks at the generators' raw words again
+    (:func:`_rng_look`, some microseconds): if the backward moved them (a custom autograd
+    Function that draws), the state is taken and sent again, there, on the path. So what the
+    store holds for the step is what the backward's last bucket leaves, as before, and it is
+    there before this rank enters the collective whose completion is the vote.
 
     Its counts: for each of the first :data:`_ADMIT_AT_ONCE` queued replacements not admitted
     yet, 1 if this rank has seen it queued; then 1 if this rank's state moved after an earlier
@@ -606,7 +643,7 @@ class _BucketVote:
     def __init__(self, recoverer: Recoverer) -> None:
         self.recoverer = recoverer
         self.own: Callable[[], str] = lambda: "1"
-        self.off_path = True
+        self.off_path = commit_off_path()
         self.step: int | None = None  # the step whose vote this backward carries
         self.published: str | None = None  # what own() gave at it
         self.passed_step: int | None = None  # the step whose vote passed here, not committed
@@ -772,18 +809,23 @@ class Recoverer:
     def world_size(self) -> int:
         return self.members.world_size if self.members is not None else group_size()
 
-    def attach(self, model: nn.Module, own: Callable[[], str], off_path: bool = True) -> None:
+    def attach(
+        self, model: nn.Module, own: Callable[[], str], off_path: bool | None = None
+    ) -> None:
         """Let each step's vote ride in ``model``'s gradient all-reduce (a tandem.DDP over the
         current group; after a re-form, the new one): ``own()`` gives this rank's own state as
         the step will leave it (:meth:`commit` then checks that the step left it so). A no-op
         when inactive.
 
-        ``off_path`` (the default): ``own()`` is called on a thread of its own as the backward
-        starts, and its result sent to the store from there; the backward's last bucket only
-        checks that the generators did not move since (else takes and sends the state again
-        itself). So ``own()`` must be safe to call while the backward runs, and give then what
-        the step will leave once the generators are as the last bucket finds them. False: it
-        is called right before the last bucket is reduced, on the step's path.
+        ``off_path`` True: ``own()`` is called on a thread of its own as the backward starts,
+        and its result sent to the store from there; the backward's last bucket only checks
+        that the generators did not move since (else takes and sends the state again itself).
+        So ``own()`` must be safe to call while the backward runs, and give then what the step
+        will leave once the generators are as the last bucket finds them. False: it is called
+        right before the last bucket is reduced, on the step's path. None (the default):
+        :func:`commit_off_path` decides, by the cores each rank of this node has (the thread
+        only pays where a core is spare; on a rank per core it takes its CPU from the
+        backward).
 
         Example::
 
@@ -793,7 +835,7 @@ class Recoverer:
         if self.members is None or reducer is None:
             return
         self._vote.own = own
-        self._vote.off_path = off_path
+        self._vote.off_path = commit_off_path() if off_path is None else off_path
         reducer.end_of_backward.vote = self._vote
 
     def commit(self, step: int, value: str | Callable[[], str] = "1") -> int:

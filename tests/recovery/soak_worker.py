@@ -198,7 +198,10 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=96)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--bucket-cap-mb", type=float, default=None)
+    parser.add_argument("--off-path", action="store_true", help="TANDEM_COMMIT_OFF_PATH=1")
     args = parser.parse_args()
+    if args.off_path:
+        os.environ["TANDEM_COMMIT_OFF_PATH"] = "1"
     if args.plan is not None and args.stop_after is None:
         parser.error("--plan needs --stop-after: the plan is drawn for that many steps")
     torch.set_num_threads(1)

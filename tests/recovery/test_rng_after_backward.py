@@ -4,13 +4,13 @@ Proves, with ``tandem run --recover in-memory`` (3 real processes over Gloo, one
 module is also the worker, ``python -m tests.recovery.test_rng_after_backward``):
 
 - the state a rank leaves in the store for a step (taken on a thread from the start of the
-  backward, off the step's path) is exactly what that step leaves: after every step each rank
-  compares its own slot in the store (what a survivor would load) with its generators as the
-  step left them, bitwise. The model holds a custom autograd Function that draws random numbers
-  in its backward, between the backward's start and its last bucket, once the early take is
-  done (it waits for it): that take is stale and must be taken again on the path. At one step
-  the state is taken slowly (the taking sleeps 0.3 s): the vote must wait for it rather than
-  pass with the store behind;
+  backward, off the step's path, as ``TANDEM_COMMIT_OFF_PATH=1`` asks) is exactly what that
+  step leaves: after every step each rank compares its own slot in the store (what a survivor
+  would load) with its generators as the step left them, bitwise. The model holds a custom
+  autograd Function that draws random numbers in its backward, between the backward's start
+  and its last bucket, once the early take is done (it waits for it): that take is stale and
+  must be taken again on the path. At one step the state is taken slowly (the taking sleeps
+  0.3 s): the vote must wait for it rather than pass with the store behind;
 - a step function that draws random numbers after ``loss.backward()`` (ranks 1 and 2, at step
   2; the vote had passed on every rank) ends the run with the same
   :class:`tandem.recovery.StateAfterVoteError` on **every** rank at step 3, naming both ranks
@@ -107,6 +107,7 @@ def _vote(own):
     recoverer.last_commit = (4, [0, 1])
     vote = recoverer._vote
     vote.own = own
+    vote.off_path = True  # whatever this machine's cores would choose
     vote._sender = _Sender(recoverer.members)
     vote._sender.store = store  # its own client is the launcher's store: here, the same one
     vote._sender.start()
@@ -155,6 +156,21 @@ def test_an_error_taking_the_state_off_the_path_is_raised_on_the_path():
         vote.entering()
 
 
+def test_the_commit_goes_off_the_path_only_where_a_core_is_spare(monkeypatch):
+    from tandem.recovery import OFF_PATH_VARIABLE, commit_off_path
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    assert commit_off_path({"LOCAL_WORLD_SIZE": "8"})  # 2 cores a rank
+    assert not commit_off_path({"LOCAL_WORLD_SIZE": "9"})
+    assert commit_off_path({})  # one rank
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    assert not commit_off_path({"LOCAL_WORLD_SIZE": "2"})  # this VM's tests: a core a rank
+    assert commit_off_path({"LOCAL_WORLD_SIZE": "2", OFF_PATH_VARIABLE: "1"})
+    assert not commit_off_path({"LOCAL_WORLD_SIZE": "1", OFF_PATH_VARIABLE: "0"})
+    with pytest.raises(ValueError, match=f"{OFF_PATH_VARIABLE}='yes': use 1"):
+        commit_off_path({OFF_PATH_VARIABLE: "yes"})
+
+
 # -- the worker ---------------------------------------------------------------------------------
 
 
@@ -177,6 +193,9 @@ def main() -> None:
     parser.add_argument("--draw-after", action="append", default=[])
     parser.add_argument("--slow", type=int, default=None)
     args = parser.parse_args()
+    # The early take this module proves, whatever the cores (by default a rank per core takes
+    # its state on the path: tandem.recovery.commit_off_path).
+    os.environ[tandem.recovery.OFF_PATH_VARIABLE] = "1"
     torch.set_num_threads(1)
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     me = int(os.environ["RANK"])
