@@ -15,9 +15,13 @@ node by its launcher's line. Proves:
   back is no restart). The run ends **bitwise** where the chain of saves and resumes with the
   observed membership schedule ends (3 ranks to step 3, 2 ranks to the admission, 3 to the
   end); every launcher but the killed one exits 0; every process is accounted for;
-- **fewer than MIN left** (``--nnodes 3:3``): the node of rank 2 killed; once its beat is stale
-  node 0 ends the job on every node, saying that 2 nodes are left of at least 3; both launchers
-  end non-zero within seconds and leave nothing behind;
+- **fewer than MIN left** (``--nnodes 3:3``, no restart left): the node of rank 2 killed; once
+  its beat is stale node 0 ends the job on every node, saying that 2 nodes are left of at least
+  3; both launchers end non-zero within seconds and leave nothing behind;
+- **fewer than MIN left, a restart left** (``--nnodes 2:2 --max-restarts 1``, the sharded
+  Trainer of ``fallback_worker.py``): node 1 gone at step 5; node 0 waits for nodes; the same
+  `tandem run` started again on that namespace arrives at the restart's store and both restart
+  from the checkpoint of step 4, ending **bitwise** where the job run without the kill ends;
 - **a node arriving at MAX** (``--nnodes 1:2``, a third node started while two run): it waits,
   saying the job runs on its maximum of 2 nodes; when the job ends it is told so and ends 0,
   having started no worker;
@@ -34,8 +38,11 @@ MIN:MAX is accepted); node 0's decisions over a real TCPStore (a node asking whi
 told to wait, then admitted once a node's beat is stale; one asking while a member admits no
 newcomer is refused, naming the ranks; fewer than MIN left ends the job, naming the nodes);
 node 0's decision at a fall-back (a restart at the nodes not silent, renumbered, each follower
-learning its number; none below MIN, saying why; the restart's store numbering a later node
-after them; a node waiting to be admitted sent to the restart's store).
+learning its number, below MIN too; the restart's store numbering a later node after them; a
+node waiting to be admitted sent to the restart's store); a restart below MIN (a node arriving
+at its store is one of the restart's, the size once MIN are there and the last call passed,
+learnt by the other nodes; none within join_timeout ends the job on every node, saying why);
+fewer than MIN left while the job runs asks for that restart when one is left.
 
 Skipped, with the reason, where network namespaces or a bridge cannot be made.
 """
@@ -316,7 +323,14 @@ def test_node_0_admits_below_max_refuses_where_nobody_admits_and_ends_below_min(
 
     from torch.distributed import TCPStore
 
-    from tandem.launch.in_memory import able_key, admits_key, launcher_key, members_key, node_key
+    from tandem.launch.in_memory import (
+        able_key,
+        admits_key,
+        fallback_key,
+        launcher_key,
+        members_key,
+        node_key,
+    )
     from tandem.launch.membership import ElasticInMemoryCoordinator, ElasticSettings
 
     store = TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=10), wait_for_workers=False)
@@ -364,14 +378,28 @@ def test_node_0_admits_below_max_refuses_where_nobody_admits_and_ends_below_min(
     assert end is not None and end.node == 0 and end.restart == 0, end
     assert "node(s) 1, 2, 3 went silent" in end.why, end  # every node of the job gone
     assert "1 node(s) are left, fewer than the --nnodes minimum 2" in end.why, end
+    assert "no restart is left to wait for more: --max-restarts 0" in end.why, end
+
+    # With a restart left, the same loss asks for one, which waits for MIN nodes (_gather).
+    node0.max_restarts, node0._below = 2, False
+    store.delete_key(fallback_key())
+    look_while([], 0.1)
+    end = node0.ended()
+    assert end is not None and end.restart == 1, end
+    assert (
+        "fewer than the --nnodes minimum 2: every node's workers are stopped; the job restarts "
+        "from its last checkpoint (restart 1 of 2) once 2 nodes are there"
+    ) in end.why, end
+    assert end.line.endswith("restarted (restart 1 of 2) once 2 were there again"), end
 
 
-def test_node_0_restarts_a_fall_back_at_the_nodes_still_there_renumbered_or_not_below_min():
+def test_node_0_restarts_a_fall_back_at_the_nodes_still_there_renumbered_even_below_min():
     """Node 0's decision at a fall-back's end (``settle``), in-process over a real TCPStore: a
     restart asked for is made at the job's nodes that are not silent, renumbered in the job's
-    order (node 0 first), each follower learning its new number; none below MIN (why says so)
-    or when none is asked for; the restart's fresh store numbers a node arriving later after
-    them; a node waiting to be admitted is sent to the restart's store, not told the end."""
+    order (node 0 first), each follower learning its new number, below MIN too (the restart
+    then waits for nodes: the next test); none when none is asked for; the restart's fresh
+    store numbers a node arriving later after them; a node waiting to be admitted is sent to
+    the restart's store, not told the end."""
     from datetime import timedelta
 
     from torch.distributed import TCPStore
@@ -401,12 +429,8 @@ def test_node_0_restarts_a_fall_back_at_the_nodes_still_there_renumbered_or_not_
     assert restart == 0 and "restarts the job without this node (node 2)" in why
     every = node0._decide(asked, gone=[])  # every node there: the same numbers
     assert every["nodes"] == [0, 1, 2, 3] and every["restart"] == 1
-    below = node0._decide(asked, gone=[1, 2, 3])
-    assert below["restart"] == 0 and "nodes" not in below, below
-    assert (
-        "node(s) 1, 2, 3 went silent; 1 node(s) are left, fewer than the --nnodes minimum 2"
-        in (below["why"])
-    )
+    below = node0._decide(asked, gone=[1, 2, 3])  # one node left of MIN 2: it waits
+    assert below == {"restart": 1, "why": "", "nodes": [0], "attempt": 1}, below
     assert node0._decide(JobEnd("x", "x", restart=0), gone=[])["restart"] == 0  # none left
 
     # The restart's store (node 0 writes it before the others connect): 3 nodes, and a node
@@ -427,6 +451,65 @@ def test_node_0_restarts_a_fall_back_at_the_nodes_still_there_renumbered_or_not_
         waiting._admitted(time.monotonic() + 5)
     assert sent.value.attempt == 1 and store.check([node_key(5, "left")])
     assert not store.check([launcher_key("closed")])
+
+
+def test_a_restart_below_min_waits_for_nodes_to_arrive_or_ends_the_job_saying_so():
+    """A restart agreed with fewer than MIN nodes (``--nnodes 3:4``, one node left), in-process
+    over real TCPStores: node 0's fresh store names no size yet, so a node arriving there is
+    one of the restart's (not a late one); node 0 forms once MIN are there and the last call
+    passed, and the restart's other node and the arriving one learn that size. With nobody
+    coming within join_timeout node 0 closes the store saying why, and raises it; the other
+    nodes raise node 0's why, not a timeout of their own."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    from tandem.launch.in_memory import launcher_key
+    from tandem.launch.membership import ElasticInMemoryCoordinator, ElasticSettings
+
+    def restart(join_timeout: float) -> tuple[TCPStore, ElasticInMemoryCoordinator]:
+        store = TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=10), wait_for_workers=False)
+        settings = ElasticSettings(3, 4, last_call=0.3, join_timeout=join_timeout)
+        node0 = ElasticInMemoryCoordinator(settings, "127.0.0.1", store.port, 2.0)
+        node0.serving, node0.store, node0.nnodes, node0._attempt = True, store, 2, 1
+        node0._fresh_store()  # node 0 and node 1 are the restart's: fewer than MIN 3
+        store.set(launcher_key("attempt"), "1")  # as _join sets it once the store is ready
+        return store, node0
+
+    def other(store: TCPStore, node: int) -> ElasticInMemoryCoordinator:
+        made = ElasticInMemoryCoordinator(node0.settings, "127.0.0.1", store.port, 2.0)
+        made.store, made.node_rank, made.nnodes = store, node, 2
+        return made
+
+    store, node0 = restart(join_timeout=30)
+    assert not store.check([launcher_key("formed")])  # no size yet
+    follower = other(store, 1)
+    gathered: list[int] = []
+    waiting = threading.Thread(target=lambda: (follower._gathered(), gathered.append(1)))
+    waiting.start()
+    arrived = int(store.add(launcher_key("arrivals"), 1))  # a node arrives: number 2
+    assert arrived == 2
+    started = time.monotonic()
+    node0._gather()
+    waiting.join(10)
+    assert 0.3 <= time.monotonic() - started < 5  # MIN at once, then the last call for MAX
+    assert node0.nnodes == 3 and node0.nodes() == [0, 1, 2]
+    assert gathered == [1] and follower.nnodes == 3
+    assert store.get(launcher_key("restarts")) == b"1"
+
+    store, node0 = restart(join_timeout=0.5)
+    follower = other(store, 1)
+    why = (
+        r"only 2 of at least 3 nodes \(--nnodes 3:4\) were there to restart the job within "
+        r"join_timeout=0.5 s: the job ends"
+    )
+    with pytest.raises(LaunchError, match=why):
+        node0._gather()
+    with pytest.raises(LaunchError, match=r"only 2 of at least 3 nodes .* the job ends"):
+        follower._gathered()
+    late = ElasticInMemoryCoordinator(node0.settings, "127.0.0.1", store.port, 2.0)
+    with pytest.raises(LaunchError, match=r"only 2 of at least 3 nodes .* the job ends"):
+        late._arrive_at(None)  # a node arriving after that is told so too
 
 
 FALLBACK_WORKER = "tests.launch.fallback_worker"
@@ -503,4 +586,53 @@ def test_a_fall_back_restarts_every_node_from_the_checkpoint_at_the_nodes_still_
 
     got, expected = final_checkpoint(killed), final_checkpoint(oracle)
     assert expected["trainer"]["step"] == 10
+    assert_same_trainer_run(got, expected)
+
+
+@pytest.mark.timeout(300)
+def test_a_job_below_min_waits_for_a_node_started_again_and_restarts_with_it(net_of, tmp_path):
+    """``--nnodes 2:2 --max-restarts 1``, 2 nodes of one rank, the sharded Trainer of
+    ``fallback_worker.py``. At step 5 rank 1 SIGKILLs its launcher and itself: node 1 is gone
+    and node 0's worker, which cannot go on in memory, is stopped. One node is left of MIN 2:
+    node 0 does not end the job but waits for nodes; `tandem run` started again on node 1's
+    namespace arrives at the restart's store, and the job restarts at 2 nodes from the last
+    checkpoint (restart 1 of 1, the arriving node at the job's restart count). The run ends,
+    bitwise, where the same job run without the kill ends; every process is accounted for."""
+    net = net_of(2)
+    run_dir = tmp_path / "killed"
+    worker = ["--max-restarts", "1", "-m", FALLBACK_WORKER, str(run_dir), "--keep", "9"]
+    oracle = tmp_path / "oracle"  # 2 ranks, nothing killed
+    made: list[subprocess.CompletedProcess[str]] = []
+    oracle_run = threading.Thread(
+        target=lambda: made.append(run_job(2, [], FALLBACK_WORKER, str(oracle), check=False))
+    )
+    worker += ["--kill-node", "1:5:0"]
+    with nodes(net, tmp_path, "2:2", worker) as run:
+        for namespace in range(2):
+            run.start(namespace)
+        host, victim = (run.holding(n, [0, 1]) for n in range(2))
+        oracle_run.start()  # meanwhile: the job waits much of its time
+        run.procs[victim].wait(120)
+        run.wait_for(host, r"the job restarts once 2 nodes are there \(--nnodes 2:2; 1 now\)")
+        # The same command: its kill is for restart 0, and the node arriving at the restart
+        # runs at the job's count (1), else its worker would kill it again at step 5.
+        again = run.start(run.where[victim])
+        codes = run.finish(200)
+        oracle_run.join(200)
+        run.accounted_for(run_dir)
+    shown = run.shown()
+    assert (codes[host], codes[victim], codes[again]) == (0, -signal.SIGKILL, 0), shown
+    assert made and made[0].returncode == 0, made and made[0].stderr[-4000:]
+    for launcher, node in ((host, 0), (again, 1)):
+        assert re.search(
+            rf"^tandem run: the job restarted \(restart 1\) with 2 node\(s\), world size 2: "
+            rf"this is node {node} \(ranks {node}\.\.{node} here\)$",
+            run.text(launcher),
+            re.M,
+        ), shown
+    assert "waiting up to join_timeout=600 s for nodes to arrive" in run.text(host), shown
+    resumed = r"^\[rank 0\] resumed from .*ckpt-e\d+-s0+4\.pt: epoch 1, batch 4, step 4$"
+    assert re.search(resumed, run.text(host), re.M), shown
+    got, expected = final_checkpoint(run_dir), final_checkpoint(oracle)
+    assert expected["trainer"]["step"] == 12  # 48 samples, 2 ranks of 4, 2 epochs
     assert_same_trainer_run(got, expected)

@@ -132,8 +132,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "stops); a node's launcher succeeds if one of its workers runs to completion. With "
         "MIN:MAX a node arriving while the job runs (one that was down, started again) joins "
         "it at a step boundary if fewer than MAX nodes run (else it waits), without spending "
-        "--max-restarts; the job ends if fewer than MIN nodes are left, and a fall-back "
-        "restarts every node still there, at that size (at least MIN). A lost worker is "
+        "--max-restarts; fewer than MIN nodes left stops every worker and, with a restart "
+        "left, restarts them from the last checkpoint once MIN nodes are there again (waiting "
+        "up to join_timeout; else the job ends), and a fall-back restarts every node still "
+        "there, at that size (waiting likewise below MIN). A lost worker is "
         "replaced while --max-restarts allows (by "
         "its own node's launcher, counted per node as torchrun counts restarts; the others "
         "admit the replacement at their next step); a loss the others cannot go on from in "
@@ -431,6 +433,7 @@ def run_command(args: argparse.Namespace) -> int:
             meeting.port or C10D_DEFAULT_PORT,
             args.heartbeat_timeout,
             spec.nproc_per_node,
+            spec.max_restarts,
         )
         spec = dataclasses.replace(spec, node_rank=0 if grows.serving else 1)
         coordinator = grows

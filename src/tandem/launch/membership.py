@@ -443,6 +443,14 @@ class JobEnded(LaunchError):
     """A node waiting to be admitted found the job finished: nothing to do, not a failure."""
 
 
+def _ended(store: Any) -> str:
+    """Why node 0 closed the job (its ``why`` key), or a plain line where it gave none."""
+    key = launcher_key("why")
+    if store.check([key]):
+        return _text(store.get(key))
+    return "the job ended before this node was admitted; nothing ran here"
+
+
 def _say(message: str) -> None:
     print(f"tandem run: {message}", file=sys.stderr, flush=True)
 
@@ -464,9 +472,12 @@ class ElasticInMemoryCoordinator(InMemoryCoordinator):
     2. Running: every launcher beats in the store; node 0 watches the job's nodes. A node whose
        beat stops for ``store_timeout`` (its launcher killed with its workers, its host down)
        is gone: its workers were already left out by the survivors in memory, and nothing
-       restarts. If the nodes left are fewer than MIN (and no node waits to join), node 0 ends
-       the job on every node with a line that says so (as torchrun's MIN: the job does not run
-       on fewer); it can be started again to resume from its last checkpoint.
+       restarts. If the nodes left are fewer than MIN (and no node waits to join), the job
+       does not run on (as torchrun's MIN): with a restart left (``--max-restarts``) node 0
+       stops every node's workers and the job restarts (step 4) once MIN nodes are there
+       again, as torchrun's agents wait in a new rendezvous; with none left it ends on every
+       node with a line that says so, and can be started again to resume from its last
+       checkpoint.
     3. A node arriving after the job formed asks node 0 to be admitted. While fewer than MAX
        nodes run, node 0 admits it: its launcher takes launch ranks from the job's counter
        (:meth:`InMemoryCoordinator.launch_rank`, as a replacement's) and starts its workers as
@@ -481,12 +492,15 @@ class ElasticInMemoryCoordinator(InMemoryCoordinator):
     4. A fall-back to ``restart`` (a loss the workers cannot recover in memory) stops every
        node's workers; the nodes meet (:meth:`InMemoryCoordinator.settle`) and node 0 restarts
        the job, while ``--max-restarts`` allows (counted for the job), at the nodes still
-       there (:meth:`_decide`: every node of the job whose beat is not stale), if at least
-       MIN: renumbered 0..n-1 in the job's order (node 0 first), each node learning its new
-       number (:meth:`_follow`) and starting its workers at that size in a fresh store on the
-       same port (:meth:`_fresh_store`), as a fixed ``--nnodes N`` restarts in one. A node
-       waiting to be admitted asks again at the restart's store; fewer than MIN, or no restart
-       left, ends the job on every node, saying why.
+       there (:meth:`_decide`: every node of the job whose beat is not stale), renumbered
+       0..n-1 in the job's order (node 0 first), each node learning its new number
+       (:meth:`_follow`) and starting its workers at that size in a fresh store on the same
+       port (:meth:`_fresh_store`), as a fixed ``--nnodes N`` restarts in one. A node waiting
+       to be admitted asks again at the restart's store. Fewer than MIN there: the restart
+       waits, up to ``join_timeout``, for nodes arriving at that store (a node started again,
+       one waiting to be admitted) to make MIN, and forms with them as the first attempt does
+       (:meth:`_gather`); none coming ends the job on every node, saying why. No restart left
+       ends the job on every node, saying why.
 
     Example::
 
@@ -502,6 +516,7 @@ class ElasticInMemoryCoordinator(InMemoryCoordinator):
         port: int,
         heartbeat_timeout: float,
         nproc_per_node: int = 1,
+        max_restarts: int = 0,
     ) -> None:
         super().__init__(
             addr,
@@ -512,6 +527,7 @@ class ElasticInMemoryCoordinator(InMemoryCoordinator):
             join_timeout=settings.join_timeout,
         )
         self.settings, self.nproc_per_node = settings, nproc_per_node
+        self.max_restarts = max_restarts  # a job below MIN waits for nodes only with one left
         self.serving = is_store_host(addr, settings.is_host)
         self._attempt = 0  # the job's attempt, which node 0's store serves (a restart's: +1)
         # A restart agreed in settle: this node's number in it, its node count, the attempt.
@@ -546,6 +562,8 @@ class ElasticInMemoryCoordinator(InMemoryCoordinator):
             self._next, self.late = None, False
             self._generation, self._members, self._looked, self._below = 1, None, 0.0, False
             self._join(self._attempt)  # node 0: a fresh store (_fresh_store); the others meet
+            if self.nnodes < self.settings.min_nodes:  # fewer than MIN left: wait for more
+                self._gather() if self.node_rank == 0 else self._gathered()
         elif self.serving:
             self._form()
         else:
@@ -609,6 +627,8 @@ class ElasticInMemoryCoordinator(InMemoryCoordinator):
         deadline = time.monotonic() + s.join_timeout
         formed = launcher_key("formed")
         while not self.store.check([formed]):
+            if self.store.check([launcher_key("closed")]):
+                raise JobEnded(_ended(self.store))
             if time.monotonic() > deadline:
                 raise LaunchError(
                     f"node 0 at {self.addr}:{self.port} formed no job within join_timeout="
@@ -713,15 +733,28 @@ class ElasticInMemoryCoordinator(InMemoryCoordinator):
             why = (
                 f"node(s) {lost} went silent (no `tandem run` beat for {self.store_timeout:g} "
                 f"s: killed, host down, or cut off) and {len(running)} node(s) are left, fewer "
-                f"than the --nnodes minimum {s.min_nodes}: every node's workers are stopped (the "
-                "job does not run on fewer than MIN nodes; start it again to resume from its "
-                "last checkpoint)"
+                f"than the --nnodes minimum {s.min_nodes}: every node's workers are stopped"
             )
             line = (
                 f"node(s) {lost} lost; {len(running)} node(s) left, fewer than --nnodes MIN "
                 f"{s.min_nodes}: every worker on every node stopped"
             )
-            self.end_job(JobEnd(why, line, 0, node=0))
+            restart = self._attempt + 1 if self._attempt < self.max_restarts else 0
+            if restart:
+                why += (
+                    f"; the job restarts from its last checkpoint (restart {restart} of "
+                    f"{self.max_restarts}) once {s.min_nodes} nodes are there, waiting up to "
+                    f"join_timeout={s.join_timeout:g} s for nodes to arrive"
+                )
+                line += f", restarted (restart {restart} of {self.max_restarts}) once "
+                line += f"{s.min_nodes} were there again"
+            else:
+                why += (
+                    " (the job does not run on fewer than MIN nodes, and no restart is left to "
+                    f"wait for more: --max-restarts {self.max_restarts}; start it again to resume "
+                    "from its last checkpoint)"
+                )
+            self.end_job(JobEnd(why, line, restart, node=0))
 
     def _admitting(self) -> bool | str:
         """Node 0: whether the job's members admit newcomers: True once every one said it
@@ -754,15 +787,8 @@ class ElasticInMemoryCoordinator(InMemoryCoordinator):
         order (node 0 first), while they are at least MIN."""
         if end is None or not end.restart:
             return {"restart": 0, "why": ""}
-        s = self.settings
+        # Fewer than MIN there: the restart waits for nodes to arrive (_gather).
         there = [n for n in self.nodes() if n not in gone]
-        if len(there) < s.min_nodes:
-            silent = f"node(s) {', '.join(map(str, gone))} went silent; " if gone else ""
-            why = (
-                f"{silent}{len(there)} node(s) are left, fewer than the --nnodes minimum "
-                f"{s.min_nodes} (start the job again to resume from its last checkpoint)"
-            )
-            return {"restart": 0, "why": why}
         return {"restart": end.restart, "why": "", "nodes": there, "attempt": self._attempt + 1}
 
     def _follow(self, said: Mapping[str, Any]) -> tuple[int, str]:
@@ -785,12 +811,72 @@ class ElasticInMemoryCoordinator(InMemoryCoordinator):
 
     def _fresh_store(self) -> None:
         """Node 0, in a restart's store: the job's nodes (renumbered), its size, the arrivals'
-        counter past them (a node arriving later is numbered after them), its restarts."""
+        counter past them (a node arriving later is numbered after them), its restarts. Fewer
+        than MIN nodes: the nodes and the size only once more have arrived (:meth:`_gather`);
+        a node arriving meanwhile is one of the restart's, not a late one."""
         assert self._next is None and self.store is not None
-        self.store.set(launcher_key("nodes"), json.dumps(list(range(self.nnodes))))
-        self.store.set(launcher_key("formed"), str(self.nnodes))
         self.store.add(launcher_key("arrivals"), self.nnodes - 1)
         self.store.set(launcher_key("restarts"), str(self._attempt))
+        if self.nnodes >= self.settings.min_nodes:
+            self._formed()
+
+    def _formed(self) -> None:
+        self.store.set(launcher_key("nodes"), json.dumps(list(range(self.nnodes))))
+        self.store.set(launcher_key("formed"), str(self.nnodes))
+
+    def _gather(self) -> None:
+        """Node 0, in a restart's store with fewer than MIN nodes: wait up to ``join_timeout``
+        for nodes to arrive (a node started again, one that was waiting to be admitted) until
+        MIN are there, then for the last call (or MAX), as the first attempt forms
+        (:meth:`_form`); the restart's size. None coming ends the job on every node (the
+        ``closed`` key, with why) and raises :class:`LaunchError`."""
+        s = self.settings
+        _say(
+            f"the job restarts once {s.min_nodes} nodes are there (--nnodes {s.min_nodes}:"
+            f"{s.max_nodes}; {self.nnodes} now): waiting up to join_timeout={s.join_timeout:g} "
+            "s for nodes to arrive (start `tandem run` again where a node was lost)"
+        )
+        started, quorum_at = time.monotonic(), None
+        while True:
+            count = int(self.store.add(launcher_key("arrivals"), 0))
+            now = time.monotonic()
+            if 1 + count >= s.min_nodes and quorum_at is None:
+                quorum_at = now
+            if 1 + count >= s.max_nodes or (
+                quorum_at is not None and now - quorum_at >= s.last_call
+            ):
+                break
+            if quorum_at is None and now - started > s.join_timeout:
+                why = (
+                    f"only {1 + count} of at least {s.min_nodes} nodes (--nnodes "
+                    f"{s.min_nodes}:{s.max_nodes}) were there to restart the job within "
+                    f"join_timeout={s.join_timeout:g} s: the job ends (start it again to resume "
+                    "from its last checkpoint; --rdzv-conf join_timeout=SECONDS waits longer)"
+                )
+                self.store.set(launcher_key("why"), why)
+                self.store.set(launcher_key("closed"), "1")
+                raise LaunchError(why)
+            time.sleep(_POLL_S)
+        self.nnodes = min(1 + count, s.max_nodes)
+        self._formed()
+
+    def _gathered(self) -> None:
+        """Every other node of a restart with fewer than MIN nodes: its size, once node 0 has
+        gathered them (:meth:`_gather`); the job's end, if none came, raises
+        :class:`LaunchError` with node 0's why."""
+        deadline = time.monotonic() + self.settings.join_timeout + self.store_timeout
+        formed = launcher_key("formed")
+        while not self.store.check([formed]):
+            if self.store.check([launcher_key("closed")]):
+                raise LaunchError(_ended(self.store))
+            if time.monotonic() > deadline:
+                raise LaunchError(
+                    f"node 0 at {self.addr}:{self.port} did not restart the job within "
+                    f"join_timeout={self.settings.join_timeout:g} s"
+                )
+            self.beat()
+            time.sleep(_POLL_S)
+        self.nnodes = int(_text(self.store.get(formed)))
 
     def _told_the_end(self, restart: int) -> list[int]:
         if restart:  # the nodes waiting to join ask again at the restart's store

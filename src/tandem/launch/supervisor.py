@@ -333,8 +333,9 @@ class Supervisor:
         while True:
             placement = coordinator.begin(attempt)  # a fresh store each attempt
             began = time.time()
-            if coordinator.late:  # it joins the job as it runs: at the job's restart count
-                restarts = max(restarts, coordinator.job_restarts)
+            # A node that joins the job as it runs, or arrives at a restart waiting for MIN
+            # nodes: at the job's restart count.
+            restarts = max(restarts, coordinator.job_restarts)
             if placement.elastic:  # --nnodes MIN:MAX: this node's number, the attempt's size
                 # A restart renumbers the nodes still there (node 0 decided: settle).
                 self.spec = dataclasses.replace(
@@ -342,7 +343,7 @@ class Supervisor:
                 )
                 if not coordinator.late:
                     first = self.spec.global_rank(0)
-                    formed = f"restarted (restart {restarts})" if attempt else "formed"
+                    formed = f"restarted (restart {restarts})" if restarts else "formed"
                     _say(
                         f"the job {formed} with {placement.nnodes} node(s), world size "
                         f"{self.spec.world_size}: this is node {placement.node_rank} (ranks "
