@@ -515,6 +515,15 @@ def test_a_restart_below_min_waits_for_nodes_to_arrive_or_ends_the_job_saying_so
 FALLBACK_WORKER = "tests.launch.fallback_worker"
 
 
+def restarted_as(run: Nodes, launcher: int, node: int) -> bool:
+    """Whether ``launcher`` said the job restarted (restart 1) at 2 nodes, this one ``node``."""
+    said = (
+        rf"^tandem run: the job restarted \(restart 1\) with 2 node\(s\), world size 2: "
+        rf"this is node {node} \(ranks {node}\.\.{node} here\)$"
+    )
+    return re.search(said, run.text(launcher), re.M) is not None
+
+
 @pytest.mark.timeout(300)
 def test_a_fall_back_restarts_every_node_from_the_checkpoint_at_the_nodes_still_there(
     net_of, tmp_path
@@ -564,12 +573,7 @@ def test_a_fall_back_restarts_every_node_from_the_checkpoint_at_the_nodes_still_
         re.M,
     ), shown
     for launcher, node in ((host, 0), (last, 1)):
-        assert re.search(
-            rf"^tandem run: the job restarted \(restart 1\) with 2 node\(s\), world size 2: "
-            rf"this is node {node} \(ranks {node}\.\.{node} here\)$",
-            run.text(launcher),
-            re.M,
-        ), shown
+        assert restarted_as(run, launcher, node), shown
         assert re.search(  # the summary lists the fall-back
             r"^tandem run: recovery 1: rank 2 \(killed by SIGKILL\) lost [\d.]+ s into the run; "
             r"not recoverable in memory \(.*\): every worker on every node restarted \(restart "
@@ -624,12 +628,7 @@ def test_a_job_below_min_waits_for_a_node_started_again_and_restarts_with_it(net
     assert (codes[host], codes[victim], codes[again]) == (0, -signal.SIGKILL, 0), shown
     assert made and made[0].returncode == 0, made and made[0].stderr[-4000:]
     for launcher, node in ((host, 0), (again, 1)):
-        assert re.search(
-            rf"^tandem run: the job restarted \(restart 1\) with 2 node\(s\), world size 2: "
-            rf"this is node {node} \(ranks {node}\.\.{node} here\)$",
-            run.text(launcher),
-            re.M,
-        ), shown
+        assert restarted_as(run, launcher, node), shown
     assert "waiting up to join_timeout=600 s for nodes to arrive" in run.text(host), shown
     resumed = r"^\[rank 0\] resumed from .*ckpt-e\d+-s0+4\.pt: epoch 1, batch 4, step 4$"
     assert re.search(resumed, run.text(host), re.M), shown

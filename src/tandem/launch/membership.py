@@ -53,7 +53,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -579,28 +579,36 @@ class ElasticInMemoryCoordinator(InMemoryCoordinator):
         warn_without_secret(key_scope(), addr, port)
         self.store.set(launcher_key("attempt"), "0")
         self.store.set(node_key(0, "joined"), "1")
+
+        def too_few(count: int) -> None:
+            raise LaunchError(
+                f"only {count} of at least {s.min_nodes} nodes (--nnodes "
+                f"{s.min_nodes}:{s.max_nodes}) reached the job's store at {addr}:{port} "
+                f"within join_timeout={s.join_timeout:g} s: start `tandem run` with the "
+                "same --rdzv-endpoint on the others, or give them longer (--rdzv-conf "
+                "join_timeout=SECONDS)"
+            )
+
+        self.nnodes = self._nodes_arrived(too_few)
+        self._formed()
+
+    def _nodes_arrived(self, too_few: Callable[[int], None]) -> int:
+        """Node 0: wait until MIN nodes took a place in the store (node 0 and the arrivals),
+        then for the last call (``last_call_timeout``) for more, or until MAX are there; their
+        count, at most MAX. ``too_few(count)`` raises once ``join_timeout`` passed short of
+        MIN."""
+        s = self.settings
         started, quorum_at = time.monotonic(), None
         while True:
-            count = int(self.store.add(launcher_key("arrivals"), 0))
+            count = 1 + int(self.store.add(launcher_key("arrivals"), 0))
             now = time.monotonic()
-            if 1 + count >= s.min_nodes and quorum_at is None:
+            if count >= s.min_nodes and quorum_at is None:
                 quorum_at = now
-            if 1 + count >= s.max_nodes or (
-                quorum_at is not None and now - quorum_at >= s.last_call
-            ):
-                break
+            if count >= s.max_nodes or (quorum_at is not None and now - quorum_at >= s.last_call):
+                return min(count, s.max_nodes)
             if quorum_at is None and now - started > s.join_timeout:
-                raise LaunchError(
-                    f"only {1 + count} of at least {s.min_nodes} nodes (--nnodes "
-                    f"{s.min_nodes}:{s.max_nodes}) reached the job's store at {addr}:{port} "
-                    f"within join_timeout={s.join_timeout:g} s: start `tandem run` with the "
-                    "same --rdzv-endpoint on the others, or give them longer (--rdzv-conf "
-                    "join_timeout=SECONDS)"
-                )
+                too_few(count)
             time.sleep(_POLL_S)
-        self.nnodes = min(1 + count, s.max_nodes)
-        self.store.set(launcher_key("nodes"), json.dumps(list(range(self.nnodes))))
-        self.store.set(launcher_key("formed"), str(self.nnodes))
 
     def _arrive(self) -> None:
         """Every other node: take a place; one of the job's first nodes, or one arriving
@@ -836,28 +844,19 @@ class ElasticInMemoryCoordinator(InMemoryCoordinator):
             f"{s.max_nodes}; {self.nnodes} now): waiting up to join_timeout={s.join_timeout:g} "
             "s for nodes to arrive (start `tandem run` again where a node was lost)"
         )
-        started, quorum_at = time.monotonic(), None
-        while True:
-            count = int(self.store.add(launcher_key("arrivals"), 0))
-            now = time.monotonic()
-            if 1 + count >= s.min_nodes and quorum_at is None:
-                quorum_at = now
-            if 1 + count >= s.max_nodes or (
-                quorum_at is not None and now - quorum_at >= s.last_call
-            ):
-                break
-            if quorum_at is None and now - started > s.join_timeout:
-                why = (
-                    f"only {1 + count} of at least {s.min_nodes} nodes (--nnodes "
-                    f"{s.min_nodes}:{s.max_nodes}) were there to restart the job within "
-                    f"join_timeout={s.join_timeout:g} s: the job ends (start it again to resume "
-                    "from its last checkpoint; --rdzv-conf join_timeout=SECONDS waits longer)"
-                )
-                self.store.set(launcher_key("why"), why)
-                self.store.set(launcher_key("closed"), "1")
-                raise LaunchError(why)
-            time.sleep(_POLL_S)
-        self.nnodes = min(1 + count, s.max_nodes)
+
+        def too_few(count: int) -> None:
+            why = (
+                f"only {count} of at least {s.min_nodes} nodes (--nnodes "
+                f"{s.min_nodes}:{s.max_nodes}) were there to restart the job within "
+                f"join_timeout={s.join_timeout:g} s: the job ends (start it again to resume "
+                "from its last checkpoint; --rdzv-conf join_timeout=SECONDS waits longer)"
+            )
+            self.store.set(launcher_key("why"), why)
+            self.store.set(launcher_key("closed"), "1")
+            raise LaunchError(why)
+
+        self.nnodes = self._nodes_arrived(too_few)
         self._formed()
 
     def _gathered(self) -> None:
