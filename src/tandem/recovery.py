@@ -107,6 +107,7 @@ from tandem.data.sampler import DistributedSampler
 from tandem.doctor import mismatch, records
 from tandem.files import write_atomic
 from tandem.job import join
+from tandem.job.join import replacing  # noqa: F401 (public here: tandem.recovery.replacing)
 from tandem.job.secret import key_scope
 from tandem.parallel.adapters import model_state, optimizer_state
 from tandem.parallel.ddp import out_of_step
@@ -1320,6 +1321,7 @@ class Run:
         """
         if self.finished:
             raise RuntimeError(f"the run has trained its {self.epochs} epoch(s)")
+        records.training_started()  # a replacement makes the members' collectives from here
         if self.recoverer.active and self.recoverer.last_commit is None:
             # The state the first step starts from (after a resume too) is the first one a
             # recovery can go back to.

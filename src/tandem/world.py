@@ -170,6 +170,7 @@ def init(
         _current = _join(me, placement, device, backend, delta, meeting_s)
         _owns_group = True
         records.clear()
+        records.replacement_admitted(_current.rank)
         doctor.start()
         return _current
     if placement.world_size == 1 and init_method is None and backend != "mpi":

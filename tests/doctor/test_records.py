@@ -137,3 +137,43 @@ def test_a_failure_set_while_waiting_is_raised_in_the_waiting_thread(how):
     assert first["after"] < 2, first  # the peer comes after 4 s; the timeout is 30 s
     assert first["blocked"] == 0, first
     assert first["entry"] == "told while waiting", first  # and the next collective at its entry
+
+
+def _a_replacement_before_its_training() -> dict:
+    """Rank 1 plays a replacement just admitted; rank 0 a member."""
+    rank = dist.get_rank()
+    if rank == 1:
+        records.replacement_admitted(1)
+    seen: dict = {}
+    try:
+        torch.manual_seed(0)
+        tandem.DDP(nn.Linear(3, 2))  # made through tandem (its broadcast): allowed
+        if rank == 1:
+            for call in (
+                lambda: dist.all_reduce(torch.ones(2)),
+                lambda: dist.broadcast_object_list([None], src=0),  # through torch's helper
+            ):
+                try:
+                    call()
+                except records.ReplacementCollectiveError as e:
+                    seen.setdefault("errors", []).append(str(e))
+    finally:
+        if rank == 1:
+            records.training_started()
+    total = torch.ones(2)
+    dist.all_reduce(total)  # training started: the user's own collective is met, not mixed up
+    seen["total"] = total.tolist()
+    return seen
+
+
+def test_a_replacement_s_own_collectives_before_its_training_raise_naming_the_line():
+    records.training_started()  # nothing left over in this process
+    member, newcomer = run_ranks(_a_replacement_before_its_training, 2, init="gloo", timeout=60)
+    assert member == {"total": [2.0, 2.0]}
+    assert newcomer["total"] == [2.0, 2.0]
+    first, second = newcomer["errors"]
+    for text, op in ((first, "all_reduce"), (second, "broadcast_object_list")):
+        assert text.startswith("rank 1 is a replacement that joined the running job"), text
+        assert "test_records.py:" in text and "in <lambda>" in text, text
+        assert f"calls torch.distributed.{op} before its training started" in text, text
+        assert "`if not tandem.recovery.replacing(): ...`" in text, text

@@ -55,7 +55,7 @@ from tandem.doctor import mismatch, step_clock
 
 # Re-exported: the error and the calls that set and check it are part of the records' API.
 from tandem.doctor.mismatch import CollectiveMismatchError, fail, raise_if_failed  # noqa: F401
-from tandem.doctor.sites import user_line
+from tandem.doctor.sites import user_line, users_own
 
 #: Records kept per process (the oldest are dropped first).
 CAPACITY = 2048
@@ -174,6 +174,55 @@ _originals: dict[str, Callable[..., Any]] = {}
 # an asynchronous one: `wait`, or one that an engine announced with `waiting`).
 blocked: dict[int, Record] = {}
 enabled = True  # switched off only to measure what recording costs
+
+# A replacement admitted into a running job (``tandem run --recover in-memory``), from its
+# admission until its training starts (:func:`replacement_admitted`, :func:`training_started`):
+# its rank, else None. The members are past the part of the script before training, so a
+# collective the user's own code makes there would be met by none of theirs, or by another one.
+_replacement: int | None = None
+
+
+class ReplacementCollectiveError(RuntimeError):
+    """A replacement worker's script made a collective of its own before its training started
+    (see :func:`replacement_admitted`)."""
+
+
+def replacement_admitted(rank: int) -> None:
+    """This process is a replacement, admitted as ``rank`` into a running job: until
+    :func:`training_started`, a collective that the user's own code makes (not one made
+    through tandem: a Trainer's, its tandem.DDP's) raises :class:`ReplacementCollectiveError`
+    naming its line, instead of waiting for members that are past it.
+
+    Example::
+
+        replacement_admitted(3)
+        dist.barrier()   # ReplacementCollectiveError: ... train.py:12 in main ...
+    """
+    global _replacement
+    _replacement = rank
+
+
+def training_started() -> None:
+    """The replacement's training started (a Trainer's ``train()``, ``tandem.recovery.Run``'s
+    first step): from here it makes the members' collectives, its own code's included."""
+    global _replacement
+    _replacement = None
+
+
+def _refuse_on_a_replacement(name: str) -> None:
+    site = users_own(sys._getframe(2))
+    if site is None:
+        return
+    raise ReplacementCollectiveError(
+        f"rank {_replacement} is a replacement that joined the running job (tandem run "
+        f"--recover in-memory), and {site} calls torch.distributed.{name} before its training "
+        "started: the other ranks are past that part of the script, so none would meet this "
+        "collective (the job would hang, or mix it up with theirs). Skip it on a replacement: "
+        "`if not tandem.recovery.replacing(): ...` (an evaluation before train(), a barrier "
+        "after a download), or make it part of training (a Trainer callback, Run's step)"
+    )
+
+
 # torch's "inside a coalescing manager" state: a blocking call there issues nothing, so it is
 # left as it is (its asynchronous form would return a Work that must not be waited for).
 _coalescing: dict[Any, Any] = getattr(getattr(c10d, "_world", None), "pg_coalesce_state", {})
@@ -322,6 +371,8 @@ def _recorded(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(original)
     def call(*args: Any, **kwargs: Any) -> Any:
+        if _replacement is not None:
+            _refuse_on_a_replacement(name)
         if not enabled:
             return original(*args, **kwargs)
         if mismatch.failed is not None:  # the group is broken: nothing more is issued on it

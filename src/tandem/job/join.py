@@ -71,6 +71,22 @@ def joining(environ: Mapping[str, str] = os.environ) -> int | None:
         ) from None
 
 
+def replacing() -> bool:
+    """Whether this process is a replacement admitted into a running job (``tandem run
+    --recover in-memory --max-restarts``): its run comes from the members, not from the start
+    of the script. Collectives the script makes itself before training (an evaluation before
+    ``train()``, a barrier after a download) must be skipped on it: the members are past them.
+
+    Example::
+
+        tandem.init()
+        if not tandem.recovery.replacing():
+            evaluate(model)          # its all_reduce would be met by no other rank
+        trainer.train()
+    """
+    return admitted is not None
+
+
 def ask_to_join(store: Any, me: int, timeout_s: float) -> dict[str, Any]:
     """Queue launch rank ``me`` to join and wait (up to ``timeout_s``) until the members admit
     it; what they admitted it with (also kept in :data:`admitted`).

@@ -127,19 +127,6 @@ def why_not(trainer: Trainer) -> str | None:
     return None
 
 
-def replacing() -> bool:
-    """Whether this process is a replacement admitted into a running job (``tandem run
-    --recover in-memory --max-restarts``): its Trainer takes the run from the members
-    (:class:`InMemory`), not from a checkpoint.
-
-    Example::
-
-        if resume is not None and not replacing():
-            resume_from_disk(resume)
-    """
-    return join.admitted is not None
-
-
 class InMemory:
     """One rank's recovery in memory for a Trainer (see the module doc).
 
@@ -162,7 +149,7 @@ class InMemory:
         if not enabled() or trainer.world.world_size == 1:
             return
         self.refused = why_not(trainer)
-        if self.refused is not None and replacing():
+        if self.refused is not None and join.replacing():
             # The members admit none with such a set-up: a script that differs between them.
             raise RuntimeError(
                 f"a replacement whose Trainer cannot be recovered in memory ({self.refused}), "

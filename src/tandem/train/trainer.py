@@ -45,15 +45,16 @@ from torch.utils.data import DataLoader, Dataset
 from tandem._dist import wait_for_all
 from tandem._profile import span
 from tandem.checkpoint.checkpointer import Checkpointer, check_writable
-from tandem.doctor import step_clock
+from tandem.doctor import records, step_clock
 from tandem.doctor import trace as tracing
+from tandem.job.join import replacing
 from tandem.parallel.adapters import model_state
 from tandem.parallel.engine import Engine, ReplicatedEngine, make_engine
 from tandem.recovery import MembershipError
 from tandem.train import arguments
 from tandem.train.arguments import OptimizerArg, SchedulerArg
 from tandem.train.evaluation import evaluate, lockstep_forwards
-from tandem.train.in_memory import InMemory, replacing
+from tandem.train.in_memory import InMemory
 from tandem.train.loaders import Loaders, make_loaders
 from tandem.train.loggers import LoggerArg, check_loggers
 from tandem.train.metrics_log import Summary, epoch_line, write_metrics
@@ -441,6 +442,7 @@ class Trainer:
         self.optimizer.zero_grad()
         run.start_session()
         run.requests.discard()  # one an earlier train() sent before it raised
+        records.training_started()  # a replacement makes the members' collectives from here
         self._in_memory.start(self)
         stopped: Decision | None = None
         redo = False
