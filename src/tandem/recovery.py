@@ -1239,6 +1239,7 @@ class Run:
             run.step(lambda model, batch: loss_fn(model(batch[0]), batch[1]).backward())
     """
 
+    @records.members_sequence  # a replacement's constructor meets the members' admission
     def __init__(
         self,
         module: nn.Module,

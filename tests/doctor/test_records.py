@@ -147,11 +147,13 @@ def _a_replacement_before_its_training() -> dict:
     seen: dict = {}
     try:
         torch.manual_seed(0)
-        tandem.DDP(nn.Linear(3, 2))  # made through tandem (its broadcast): allowed
+        # In a constructor the members' admission meets (a Trainer's): allowed.
+        records.members_sequence(lambda: tandem.DDP(nn.Linear(3, 2)) and None)()
         if rank == 1:
             for call in (
                 lambda: dist.all_reduce(torch.ones(2)),
                 lambda: dist.broadcast_object_list([None], src=0),  # through torch's helper
+                lambda: tandem.DDP(nn.Linear(3, 2)),  # through tandem, outside: its broadcast
             ):
                 try:
                     call()
@@ -166,14 +168,15 @@ def _a_replacement_before_its_training() -> dict:
     return seen
 
 
-def test_a_replacement_s_own_collectives_before_its_training_raise_naming_the_line():
+def test_a_replacement_s_collectives_before_its_training_raise_naming_the_line():
     records.training_started()  # nothing left over in this process
     member, newcomer = run_ranks(_a_replacement_before_its_training, 2, init="gloo", timeout=60)
     assert member == {"total": [2.0, 2.0]}
     assert newcomer["total"] == [2.0, 2.0]
-    first, second = newcomer["errors"]
-    for text, op in ((first, "all_reduce"), (second, "broadcast_object_list")):
+    ops = ("all_reduce", "broadcast_object_list", "all_gather_object")  # tandem.DDP's check
+    assert len(newcomer["errors"]) == len(ops), newcomer
+    for text, op in zip(newcomer["errors"], ops, strict=True):
         assert text.startswith("rank 1 is a replacement that joined the running job"), text
         assert "test_records.py:" in text and "in <lambda>" in text, text
-        assert f"calls torch.distributed.{op} before its training started" in text, text
+        assert f"leads to torch.distributed.{op} before its training started" in text, text
         assert "`if not tandem.recovery.replacing(): ...`" in text, text

@@ -55,7 +55,7 @@ from tandem.doctor import mismatch, step_clock
 
 # Re-exported: the error and the calls that set and check it are part of the records' API.
 from tandem.doctor.mismatch import CollectiveMismatchError, fail, raise_if_failed  # noqa: F401
-from tandem.doctor.sites import user_line, users_own
+from tandem.doctor.sites import user_line
 
 #: Records kept per process (the oldest are dropped first).
 CAPACITY = 2048
@@ -189,9 +189,11 @@ class ReplacementCollectiveError(RuntimeError):
 
 def replacement_admitted(rank: int) -> None:
     """This process is a replacement, admitted as ``rank`` into a running job: until
-    :func:`training_started`, a collective that the user's own code makes (not one made
-    through tandem: a Trainer's, its tandem.DDP's) raises :class:`ReplacementCollectiveError`
-    naming its line, instead of waiting for members that are past it.
+    :func:`training_started`, a collective made outside the constructors whose collectives
+    the members make too (:func:`members_sequence`: the Trainer's, ``tandem.recovery.Run``'s)
+    raises :class:`ReplacementCollectiveError` naming the user's line that led to it (its own
+    ``dist.barrier()``, or a ``trainer.evaluate()`` before ``train()``), instead of waiting for
+    members that are past it.
 
     Example::
 
@@ -202,6 +204,26 @@ def replacement_admitted(rank: int) -> None:
     _replacement = rank
 
 
+_members_sequence = 0  # how deep in a constructor whose collectives the members make too
+
+
+def members_sequence(init: Callable[..., None]) -> Callable[..., None]:
+    """Decorates a constructor whose collectives, on a replacement, are those the members make
+    when they admit it (the Trainer's, ``tandem.recovery.Run``'s): allowed before training,
+    where every other one raises (:func:`replacement_admitted`)."""
+
+    @functools.wraps(init)
+    def wrapped(*args: Any, **kwargs: Any) -> None:
+        global _members_sequence
+        _members_sequence += 1
+        try:
+            init(*args, **kwargs)
+        finally:
+            _members_sequence -= 1
+
+    return wrapped
+
+
 def training_started() -> None:
     """The replacement's training started (a Trainer's ``train()``, ``tandem.recovery.Run``'s
     first step): from here it makes the members' collectives, its own code's included."""
@@ -210,13 +232,14 @@ def training_started() -> None:
 
 
 def _refuse_on_a_replacement(name: str) -> None:
-    site = users_own(sys._getframe(2))
-    if site is None:
+    if _members_sequence:
         return
+    site = user_line(sys._getframe(2))
     raise ReplacementCollectiveError(
         f"rank {_replacement} is a replacement that joined the running job (tandem run "
-        f"--recover in-memory), and {site} calls torch.distributed.{name} before its training "
-        "started: the other ranks are past that part of the script, so none would meet this "
+        f"--recover in-memory), and {site} leads to torch.distributed.{name} before its "
+        "training started: the other ranks are past that part of the script, so none would "
+        "meet this "
         "collective (the job would hang, or mix it up with theirs). Skip it on a replacement: "
         "`if not tandem.recovery.replacing(): ...` (an evaluation before train(), a barrier "
         "after a download), or make it part of training (a Trainer callback, Run's step)"

@@ -252,6 +252,7 @@ class Trainer:
     _lr: float | None
     _segment_start: float  # when the epoch's clock last counted (monotonic)
 
+    @records.members_sequence  # a replacement's constructor meets the members' admission
     def __init__(
         self,
         model: nn.Module,
