@@ -113,6 +113,7 @@ from tandem.parallel.adapters import model_state, optimizer_state
 from tandem.parallel.ddp import out_of_step
 from tandem.parallel.ddp.wrapper import DistributedDataParallel
 from tandem.world import reformed
+from tandem.world import world as current_world
 
 log = logging.getLogger(__name__)
 
@@ -590,7 +591,8 @@ OFF_PATH_VARIABLE = "TANDEM_COMMIT_OFF_PATH"
 def commit_off_path(environ: Mapping[str, str] | None = None) -> bool:
     """Whether a rank's commit should take and send its state on a thread of its own, off the
     step's path (:meth:`Recoverer.attach`): True when this process has at least two cores for
-    each rank of its node (``LOCAL_WORLD_SIZE``, 1 if unset), so the sender's few hundred
+    each rank of its node (``tandem.init()``'s placement: ``LOCAL_WORLD_SIZE``, SLURM's tasks per
+    node; given ``environ``, its ``LOCAL_WORLD_SIZE``, 1 if unset), so the sender's few hundred
     microseconds of work run beside the backward. With a core per rank or fewer the thread
     takes its CPU from the backward, which then ends later than doing the same work on the
     path: measured on a 2-core machine with 2 ranks, 1.045 against 0.991 of a plain step
@@ -609,10 +611,16 @@ def commit_off_path(environ: Mapping[str, str] | None = None) -> bool:
                 "of its own) or 0 (on the step's path), or unset it to decide by the cores"
             )
         return chosen == "1"
-    try:
-        per_node = max(1, int(env.get("LOCAL_WORLD_SIZE", "1")))
-    except ValueError:
-        per_node = 1
+    per_node = None
+    if environ is None:
+        # tandem.init()'s placement: torchrun's LOCAL_WORLD_SIZE, or SLURM's tasks per node.
+        with contextlib.suppress(RuntimeError, ValueError):
+            per_node = current_world().local_world_size
+    if per_node is None:
+        try:
+            per_node = max(1, int(env.get("LOCAL_WORLD_SIZE", "1")))
+        except ValueError:
+            per_node = 1
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # not Linux
