@@ -23,16 +23,25 @@ then goes on by itself:
    older than ``heartbeat_timeout`` (a hung rank): the heartbeat thread reads the last two and
    makes every sliced wait, the vote's included, raise.
 3. The survivors **agree on the new membership** through the store: each joins generation
-   ``g + 1`` with the last step it committed; once every member of ``g`` has joined or is known
+   ``g + 1`` with its last commit; once every member of ``g`` has joined or is known
    to be gone, the first to decide writes the members (``compare_set``: one decision, the same
    on every rank). A rank left out, or a side that does not hold a majority of the ranks not
    known dead, stops with a :class:`MembershipError`.
 4. A collective can complete on some ranks and not on others (a member dies in the middle of
-   Gloo's ring), so the survivors may disagree on the last step by one. They **roll forward**:
-   the newest step any survivor committed is the one all go on from. A survivor that did not
-   commit it entered its vote (it had left its state), but its last bucket may hold a partial
+   Gloo's ring), so the survivors may disagree on the last commit. They **roll forward**:
+   the newest commit any survivor made is the one all go on from. A survivor that did not
+   make it entered its vote (it had left its state), but its last bucket may hold a partial
    sum: it takes the state the step left from a survivor that committed it
    (:meth:`Recoverer.reform`'s ``ahead``: the parameters and the optimizer's state).
+   A commit is known by its **key, (step, generation)**: the step, and the generation whose
+   members voted on it, compared in that order. A new generation's start commit (7.) commits
+   again the step it starts from, among other members in other places, so one step can have
+   two commits: a member that made only the older one is behind as well, and takes the newer
+   key and member list alone (that commit moved no parameters; it says which members, in
+   which places, hold the step's states). Each rank's own state is left in the store under
+   the key it votes on, and the states of its last two commits stay readable until it votes
+   again (:func:`slot_to_write`): a member still reading the states of the commit a generation
+   starts from finds them even after the others left theirs for that generation's start.
 5. They build a **new process group** over a fresh key prefix of the same store (the old one
    is destroyed off the path: :func:`_abandon_group`), wrap the module in a new tandem.DDP,
    and **redo the next step** at the smaller
@@ -41,6 +50,36 @@ then goes on by itself:
    the redo from the random generators of the rank whose place it takes (as of the last
    commit). So the run ends where "train to the failed step, save, resume at the
    new size" ends, bitwise.
+
+**Growing back, and a loss during an admission.** A replacement queued in the store
+(:mod:`tandem.job.join`) is admitted after a step whose vote says every member has seen it
+queued (its counts ride in the same all-reduce). Every generation is decided once, the same
+way whatever brought the members to it:
+
+6. Each member goes to generation ``g + 1`` through one decision (:meth:`Membership.reform`):
+   it joins with its last commit's key and, after a commit that admits, the queue place the
+   vote admitted up to. The first member that sees every member of ``g`` joined or gone
+   writes ``g + 1``'s members by ``compare_set``, so a member whose vote passed (it admits)
+   and one whose vote failed (it re-forms) read one membership, and the same join values,
+   whichever wrote first. The decision admits the replacements only when no member of ``g``
+   was lost and none is behind; else it is a re-form, and the replacements stay queued for the
+   next commit's vote. Every member writes each newcomer's admission, the same text.
+7. Before anyone forms the group, every member says it is here (:func:`tandem.job.join.meet`):
+   a member lost since the decision is noticed there, in store calls that return, and the
+   survivors decide ``g + 2``. Then the group forms, a member behind rolls forward (4.), the
+   first member that holds the run hands it to the newcomers (:meth:`Recoverer.hand_over`),
+   every rank starts its generators where a resume at the new size from the last commit starts
+   them (new rank r continues rank r's of that commit; a rank beyond them is seeded by
+   :func:`newcomer_seed`), and with newcomers the new generation's start is committed.
+8. A loss anywhere in this (the hand-over, the start commit; a newcomer's own included) is a
+   loss like any: the survivors decide ``g + 2``. A newcomer that has not got the run yet
+   joins that decision as a *fresh* member (it is behind nobody, and the next generation hands
+   it the run again), one that has it as any member; a newcomer whose generation lost a member
+   before its group formed joins the re-form from its wait to be admitted. One left out stops
+   with a :class:`MembershipError` (the launcher kills and counts it), as any member left out.
+
+So a run with losses during admissions ends where the chain of saves and resumes at each
+generation's size, at each step where a group was formed, ends.
 
 A rank cut off from the store (a partition, or the store's node down: its heartbeat's store
 calls go unanswered for ``heartbeat_timeout``; a watchdog thread notices, since such a call
@@ -139,77 +178,112 @@ _after_vote: Callable[[int], None] | None = None
 #: threshold; more are admitted by the commit of the new generation's start).
 _ADMIT_AT_ONCE = 4
 
-#: One key of a rank's own state: the step whose state it holds, and that state.
-Slot = tuple[int, str]
+#: A commit's identity: its step and the generation whose members voted on it. A new
+#: generation's start commits again the step it starts from, with other members in other places
+#: (so other states): the generation tells the two commits of one step apart.
+CommitKey = tuple[int, int]
+#: One key of a rank's own state: the commit (or the attempt at one) whose state it holds, and
+#: that state. A bare step stands for that step's commit in generation 0 (a run never re-formed).
+Slot = tuple[CommitKey | int, str]
 
 
-def newest_slot(slots: Sequence[Slot | None], step: int) -> int | None:
-    """The slot a survivor that settled on ``step`` reads: the newest with a step <= ``step``
-    (None if there is none).
+def commit_key(key: CommitKey | int) -> CommitKey:
+    """``key`` as (step, generation): a bare step is that step's commit in generation 0.
+
+    Example::
+
+        >>> commit_key(4), commit_key((4, 2))
+        ((4, 0), (4, 2))
+    """
+    return (key, 0) if isinstance(key, int) else (int(key[0]), int(key[1]))
+
+
+def newest_slot(slots: Sequence[Slot | None], key: CommitKey | int) -> int | None:
+    """The slot a survivor that settled on the commit ``key`` reads: the newest with a key <=
+    ``key``, ordered by step, then generation (None if there is none).
 
     Example::
 
         >>> newest_slot([(4, "a"), (6, "b"), None], 5)
         0
+        >>> newest_slot([((4, 1), "a"), ((4, 3), "b"), None], (4, 2))  # 4 again in gen 3
+        0
     """
+    target = commit_key(key)
     best: int | None = None
     for i, slot in enumerate(slots):
         if (
             slot is not None
-            and slot[0] <= step
-            and (best is None or slot[0] > _step_of(slots[best]))
+            and commit_key(slot[0]) <= target
+            and (best is None or commit_key(slot[0]) > _key_of(slots[best]))
         ):
             best = i
     return best
 
 
-def _step_of(slot: Slot | None) -> int:
+def _key_of(slot: Slot | None) -> CommitKey:
     assert slot is not None
-    return slot[0]
+    return commit_key(slot[0])
 
 
 def slot_to_write(
-    slots: Sequence[Slot | None], step: int, value: str, committed: int | None
+    slots: Sequence[Slot | None],
+    key: CommitKey | int,
+    value: str,
+    committed: CommitKey | int | None,
+    previous: CommitKey | int | None = None,
 ) -> int | None:
-    """Where this rank writes its own state ``value`` as step ``step`` leaves it, before it
-    votes on that step; None when a reader settling on ``step`` already finds ``value`` (the
-    state did not change: no store call at all). ``committed``: the last step this rank
-    committed (None: none yet).
+    """Where this rank writes its own state ``value`` as the commit ``key`` (a step, and the
+    generation voting on it) leaves it, before it votes on that commit; None when a reader
+    settling on ``key`` already finds ``value`` (the state did not change: no store call at
+    all). ``committed``: this rank's last commit (None: none yet); ``previous``: the one before
+    (for bare steps, ``committed - 1`` unless given; None for a key: this rank has no other).
 
-    A survivor settles on a step S and reads every old member's newest value with a step <= S
-    (:func:`newest_slot`). When this rank votes on ``step``, S may be ``step`` (the vote
-    completes somewhere), ``committed`` (it completes nowhere), or ``committed - 1``: this
-    rank's vote on ``committed`` completed, which proves only that every member entered that
-    vote, not that it completed anywhere else (when this rank dies, the survivors may all have
-    failed it). So the slots holding the newest value <= ``committed`` and the newest <=
-    ``committed - 1`` are kept, and the third is written: three slots, not two. A slot of an
-    attempt at ``step`` that did not commit (its vote failed, the step is redone), or of a
-    step committed again (a new generation's start commits the step it starts from), is the
-    one overwritten, so that no two slots ever hold the same step.
+    A survivor settles on a commit S and reads every old member's newest value with a key <= S
+    (:func:`newest_slot`). When this rank votes on ``key``, S may be ``key`` (the vote
+    completes somewhere), ``committed`` (it completes nowhere), or ``previous``: this rank's
+    vote on ``committed`` completed, which proves only that every member entered that vote,
+    not that it completed anywhere else (when this rank dies, the survivors may all have failed
+    it). So the slots holding the newest value <= ``committed`` and the newest <= ``previous``
+    are kept, and the third is written: three slots, not two. A slot of an attempt after
+    ``committed`` that did not commit (its vote failed, the step is redone) is the one
+    overwritten first. A new generation's start commits the step it starts from again, under
+    its own key: the slot of that step's first commit is kept, so a member that reads the
+    states of the first commit still finds them after the others wrote those of the second.
 
     Example::
 
         >>> slot_to_write([(4, "a"), (6, "b"), None], 7, "c", committed=6)
         2
         >>> slot_to_write([(4, "a"), (6, "b"), (7, "c")], 8, "c", committed=7)  # unchanged
+        >>> slot_to_write([((4, 1), "a"), ((6, 1), "b"), None], (6, 2), "c", committed=(6, 1))
+        2
     """
-    assert all(s is None or s[0] <= step for s in slots), (slots, step)
-    current = newest_slot(slots, step)
+    new = commit_key(key)
+    assert all(s is None or _key_of(s) <= new for s in slots), (slots, key)
+    current = newest_slot(slots, new)
     if current is not None and cast(Slot, slots[current])[1] == value:
         return None
+    last = None if committed is None else commit_key(committed)
+    if previous is None and isinstance(committed, int):
+        previous = committed - 1  # bare steps: consecutive commits
     keep = set()
-    if committed is not None:
-        # A commit of the step committed last (a new generation's start) supersedes it.
-        last = min(committed, step - 1)
-        keep = {newest_slot(slots, last), newest_slot(slots, last - 1)} - {None}
+    if last is not None:
+        assert last < new, (committed, key)
+        keep.add(newest_slot(slots, last))
+        if previous is not None:
+            keep.add(newest_slot(slots, previous))
+        keep.discard(None)
     free = [i for i in range(len(slots)) if i not in keep]
-    assert free, (slots, step, committed)
+    assert free, (slots, key, committed, previous)
 
-    def order(i: int) -> tuple[int, int]:
+    def order(i: int) -> tuple[int, CommitKey]:
         slot = slots[i]
-        if slot is not None and slot[0] == step:
-            return (0, 0)  # an attempt at this step whose vote failed: the step is redone
-        return (1, 0) if slot is None else (2, slot[0])  # then an empty slot, then the oldest
+        if slot is None:
+            return (1, (0, 0))  # then an empty slot
+        if last is None or _key_of(slot) > last:
+            return (0, (0, 0))  # an attempt that never committed: its step is redone
+        return (2, _key_of(slot))  # then the oldest
 
     return min(free, key=order)
 
@@ -271,14 +345,23 @@ class Membership:
         self.heartbeat_timeout = heartbeat_timeout
         # What this rank wrote to its own state's keys (:meth:`publish`), as the store holds it.
         self.own: list[Slot | None] = [None] * OWN_SLOTS
-        # The last re-form's verdict: the step every member goes on from (the newest any of
-        # them committed), and the members that had not committed it (they roll forward).
+        # This rank's last two commits, oldest first (:meth:`record_commit`).
+        self.commits: list[CommitKey] = []
+        # The last re-form's verdict: the commit every member goes on from (the newest any of
+        # them committed, by step, then generation; ``settled`` is its step), and the members
+        # that had not committed it (they roll forward).
         self.settled: int | None = None
+        self.settled_key: CommitKey | None = None
         self.behind: list[int] = []
         # Replacements that asked to join (the heartbeat thread counts them) and admitted.
         self.joiners_seen = 0
         self.admitted = 0
         self.admits = False  # whether this loop can hand a replacement the state
+        # The last decision's newcomers (replacements admitted by it, and those of a failed
+        # admission that still wait for the run's state: the members hand it to them) and the
+        # members it left out.
+        self.newcomers: list[int] = []
+        self.lost: list[int] = []
 
     @property
     def rank(self) -> int:
@@ -322,82 +405,111 @@ class Membership:
     def gone(self, store: dist.Store | None = None) -> set[int]:
         return set(self.dead(store)) | self.silent(store)
 
+    def record_commit(self, key: CommitKey) -> None:
+        """This rank committed ``key`` (voted, rolled forward to it, or was handed it): the
+        commits its next :meth:`publish` keeps the states of.
+
+        Example::
+
+            members.record_commit((5, members.generation))
+        """
+        self.commits = [*self.commits[-1:], key]
+
     def publish(
         self, step: int, value: str, committed: int | None, store: dist.Store | None = None
     ) -> None:
-        """Leave this rank's own state as ``step`` leaves it (``value``) where a survivor finds
-        it if this rank is lost: in one of its :data:`OWN_SLOTS` keys, and only if it changed
-        (:func:`slot_to_write`; a model that draws no random numbers makes no store call).
-        ``committed``: the last step this rank committed. ``store``: another client of the
-        job's store (the vote's sender thread has its own); one thread publishes at a time."""
-        slot = slot_to_write(self.own, step, value, committed)
+        """Leave this rank's own state as the vote on ``step`` in this generation leaves it
+        (``value``) where a survivor finds it if this rank is lost: in one of its
+        :data:`OWN_SLOTS` keys, under the commit's key (``step``, generation), and only if it
+        changed (:func:`slot_to_write`; a model that draws no random numbers makes no store
+        call). ``committed``: the step of this rank's last commit, the last one
+        :meth:`record_commit` recorded (without any recorded, bare steps of generation 0:
+        ``committed - 1`` before it). ``store``: another client of the job's store (the vote's
+        sender thread has its own); one thread publishes at a time."""
+        key = (step, self.generation)
+        last: CommitKey | int | None = committed
+        previous: CommitKey | None = None
+        if self.commits:
+            last = self.commits[-1]
+            assert committed == last[0], (committed, self.commits)
+            previous = self.commits[0] if len(self.commits) > 1 else None
+        slot = slot_to_write(self.own, key, value, last, previous)
         if slot is None:
             return
-        (store or self.store).set(self.key("own", self.me, slot), f"{step} {value}")
-        self.own[slot] = (step, value)
+        (store or self.store).set(self.key("own", self.me, slot), f"{step} {key[1]} {value}")
+        self.own[slot] = (key, value)
 
-    def own_value(self, rank: int, step: int) -> str:
-        """The own state that launch rank ``rank`` left for ``step``: its newest with a step <=
-        ``step`` (:func:`newest_slot`).
+    def own_value(self, rank: int, key: CommitKey | int) -> str:
+        """The own state that launch rank ``rank`` left for the commit ``key`` (step,
+        generation; a bare step: of generation 0): its newest with a key <= ``key``
+        (:func:`newest_slot`).
 
         Raises:
-            RuntimeError: it left none (it cannot be, for a step every member voted on).
+            RuntimeError: it left none (it cannot be, for a commit every member voted on).
         """
         slots: list[Slot | None] = []
         for i in range(OWN_SLOTS):
-            key = self.key("own", rank, i)
-            if self.store.check([key]):
-                number, _, value = _text(self.store.get(key)).partition(" ")
-                slots.append((int(number), value))
+            name = self.key("own", rank, i)
+            if self.store.check([name]):
+                step, generation, value = _text(self.store.get(name)).split(" ", 2)
+                slots.append(((int(step), int(generation)), value))
             else:
                 slots.append(None)
-        found = newest_slot(slots, step)
+        found = newest_slot(slots, key)
         if found is None:
-            raise RuntimeError(f"rank {rank} left no state of step {step} or before: {slots}")
+            what = f"step {key}" if isinstance(key, int) else f"step {key[0]} (generation {key[1]})"
+            raise RuntimeError(f"rank {rank} left no state of {what} or before: {slots}")
         return cast(Slot, slots[found])[1]
 
-    def grow(self, count: int) -> list[int]:
-        """Admit the replacements queued up to ``count`` (the commit's vote said so): the
-        next generation is the members then the newcomers, in the order they asked; rank 0
-        writes it and each newcomer's admission. Returns the newcomers' launch ranks."""
-        newcomers = [
-            int(_text(self.store.get(self.key("joiner", n))))
-            for n in range(self.admitted + 1, count + 1)
-        ]
-        members, g = self.members + newcomers, self.generation + 1
-        if self.rank == 0:
-            self.store.set(self.key(f"gen{g}", "members"), json.dumps(members))
-            for r in newcomers:
-                admission = {
-                    "generation": g,
-                    "members": members,
-                    "admitted": count,
-                    "rank": members.index(r),
-                    "world_size": len(members),
-                    "prefix": self.key(f"gen{g}", "pg") + "/",
-                }
-                self.store.set(self.key("admit", r), json.dumps(admission))
-        self.members, self.generation, self.admitted = members, g, count
-        return newcomers
+    def grow(self, count: int, committed: CommitKey | int | None = None) -> list[int]:
+        """Admit the replacements queued up to ``count`` (the commit's vote said so), through
+        the same decision as a re-form (:meth:`reform`: the first to decide wins everywhere,
+        so a member lost meanwhile makes it a re-form instead). Returns the launch ranks the
+        new generation hands the run to (``newcomers``: none when it became a re-form)."""
+        self.reform(committed, admit=count)
+        return list(self.newcomers)
 
-    def reform(self, committed: int | None = None) -> list[int]:
+    def reform(
+        self, committed: CommitKey | int | None = None, admit: int = 0, fresh: bool = False
+    ) -> list[int]:
         """Agree on the next generation's members; returns the launch ranks that left.
-        ``committed``: the last step this rank committed, which it joins with; the newest of
-        the members' is then ``settled``, and those behind it ``behind``.
+        ``committed``: the last commit of this rank (step, generation; a bare step: of
+        generation 0), which it joins with; the newest of the members' (by step, then
+        generation) is then ``settled_key`` (``settled``: its step), and those behind it
+        ``behind``: a member that committed the same step in an older generation (a new
+        generation's start commit that completed on others and not on it) is behind too.
+        ``admit``: the queued replacements (up to that place in the queue) the last commit's
+        vote admitted on this rank (0: none). ``fresh``: this rank is a replacement that holds
+        no state of the run yet (its admission's hand-over did not complete).
+
+        The decision (the module doc, 6.): the first member to
+        see every member of the generation joined or gone writes the members by compare_set,
+        the survivors in their order, then, only when none was lost and none is behind, the
+        replacements admitted; every member reads the same join values and derives the same
+        verdict (``settled``, ``behind``, ``newcomers``, ``admitted``).
 
         Raises:
             MembershipError: this rank was left out, or holds no majority, or no agreement
-                came within three heartbeat timeouts.
+                came within three heartbeat timeouts, or no member that holds the run's state
+                is left.
         """
         old, g = self.members, self.generation + 1
-        self.store.set(self.key(f"gen{g}", "join", self.me), json.dumps(committed))
+        last = None if committed is None else commit_key(committed)
+        mine = {
+            "committed": None if last is None else last[0],
+            "generation": None if last is None else last[1],
+            "admit": admit,
+            "fresh": fresh,
+        }
+        self.store.set(self.key(f"gen{g}", "join", self.me), json.dumps(mine))
         deadline = time.monotonic() + 3 * self.heartbeat_timeout
         decided_key = self.key(f"gen{g}", "members")
         while not self.store.check([decided_key]):
             joined = {r for r in old if self.store.check([self.key(f"gen{g}", "join", r)])}
             dead = set(self.dead())
             if joined | dead | self.silent() >= set(old):
-                proposal = sorted(joined - dead)
+                survivors = [r for r in old if r in joined and r not in dead]
+                proposal = survivors + self._admissible(g, old, survivors)
                 self.store.compare_set(decided_key, "", json.dumps(proposal))
                 break
             if time.monotonic() > deadline:
@@ -415,21 +527,94 @@ class Membership:
             )
         confirmed = set(self.dead())
         counted = [r for r in old if r not in confirmed]
-        if 2 * len(members) <= len(counted):
+        survivors = [r for r in members if r in old]
+        if 2 * len(survivors) <= len(counted):
             raise MembershipError(
-                f"rank {self.me}: only {len(members)} of the {len(counted)} ranks not known "
+                f"rank {self.me}: only {len(survivors)} of the {len(counted)} ranks not known "
                 f"dead ({counted}) are reachable: without a majority this side of a partition "
                 "stops rather than train on its own"
             )
         lost = [r for r in old if r not in members]
-        # Every member joined with its last committed step before the decision named it: the
-        # same values, read by every member, give the same verdict everywhere.
-        steps = {r: json.loads(self.store.get(self.key(f"gen{g}", "join", r))) for r in members}
-        known = [c for c in steps.values() if c is not None]
-        self.settled = max(known) if known else None
-        self.behind = [r for r in members if steps[r] != self.settled]
+        # Every member joined before the decision named it: the same values, read by every
+        # member, give the same verdict everywhere.
+        joins = {r: self._joined(g, r) for r in survivors}
+        settled, behind, count = _verdict(joins)
+        new = [r for r in members if r not in old]
+        if not any(r in joins and not joins[r]["fresh"] for r in members):
+            raise MembershipError(
+                f"rank {self.me}: no member of generation {g} ({members}) holds the run's "
+                f"state: every member that did was lost ({lost}); the job cannot go on"
+            )
+        if not lost and not behind and count > self.admitted:
+            # The queue up to the vote's place is settled, admitted or (marked dead while
+            # queued) passed over, as the decider's proposal did (:meth:`_admissible`).
+            self.admitted = count
+        self.newcomers = [r for r in members if r in new or joins[r]["fresh"]]
+        self._write_admissions(g, members, new, self.newcomers)
+        self.settled_key, self.behind = settled, behind
+        self.settled = None if settled is None else settled[0]
+        self.lost = lost
         self.members, self.generation = members, g
         return lost
+
+    def _joined(self, g: int, rank: int) -> dict[str, Any]:
+        """What ``rank`` joined generation ``g`` with (:meth:`reform`'s ``mine``)."""
+        return cast(dict[str, Any], json.loads(self.store.get(self.key(f"gen{g}", "join", rank))))
+
+    def _admissible(self, g: int, old: list[int], survivors: list[int]) -> list[int]:
+        """The decider's part: the replacements generation ``g`` admits. None when a member of
+        the generation was lost or a survivor is behind (the queue stays: the next commit's
+        vote names them again), else those queued up to the place the vote admitted, less
+        any marked dead while it waited."""
+        _, behind, count = _verdict({r: self._joined(g, r) for r in survivors})
+        if behind or len(survivors) < len(old) or count <= self.admitted:
+            return []
+        queued = [
+            int(_text(self.store.get(self.key("joiner", n))))
+            for n in range(self.admitted + 1, count + 1)
+        ]
+        return [r for r in queued if not self.store.check([self.key("dead", r)])]
+
+    def _write_admissions(
+        self, g: int, members: list[int], new: list[int], newcomers: list[int]
+    ) -> None:
+        """Each newcomer's admission (``admit/<launch rank>``, :mod:`tandem.job.join`): written
+        by every member, the same text, so that any member lost after the decision leaves it
+        written all the same."""
+        for r in new:
+            admission = {
+                "generation": g,
+                "members": members,
+                "admitted": self.admitted,
+                "rank": members.index(r),
+                "world_size": len(members),
+                "prefix": self.key(f"gen{g}", "pg") + "/",
+                "newcomers": newcomers,
+            }
+            self.store.set(self.key("admit", r), json.dumps(admission))
+
+
+def _verdict(
+    joins: Mapping[int, Mapping[str, Any]],
+) -> tuple[CommitKey | None, list[int], int]:
+    """From what each survivor joined a generation with (:meth:`Membership.reform`): the
+    commit they go on from (the newest any of them committed, by step, then generation; a
+    fresh replacement's counts not), the members behind it (not the fresh: they are handed the
+    run instead), and the queue place the vote of that commit admitted up to (0: none)."""
+    holding = {r: j for r, j in joins.items() if not j["fresh"]}
+    keys = {r: _join_key(j) for r, j in holding.items()}
+    known = [k for k in keys.values() if k is not None]
+    settled = max(known) if known else None
+    behind = [r for r in holding if keys[r] != settled]
+    count = max((int(holding[r]["admit"]) for r in holding if keys[r] == settled), default=0)
+    return settled, behind, count
+
+
+def _join_key(joined: Mapping[str, Any]) -> CommitKey | None:
+    """The commit a member joined a generation with (a join without a generation: 0)."""
+    if joined["committed"] is None:
+        return None
+    return (int(joined["committed"]), int(joined.get("generation") or 0))
 
 
 class _Heartbeat(threading.Thread):
@@ -779,6 +964,7 @@ class Recoverer:
         self.behind = False
         self.caught_up: Any = None
         self.joined = False
+        self._backend = "gloo"  # the groups' backend, as the last group formed had it
         size = group_size()
         if size > 1 and enabled():
             timeout = heartbeat_timeout or float(
@@ -792,6 +978,8 @@ class Recoverer:
                 self.members.me, self.members.members = me, list(join.admitted["members"])
                 self.members.generation = int(join.admitted["generation"])
                 self.members.admitted = int(join.admitted["admitted"])
+                # Those the members hand the run to, this rank among them.
+                self.members.newcomers = [int(r) for r in join.admitted["newcomers"]]
             # The launcher recovers in memory only if every worker said it would, and starts a
             # replacement only if every one admits it (hands it the state: Run does).
             self.members.store.set(self.members.key("able", self.members.me), ABLE)
@@ -847,6 +1035,24 @@ class Recoverer:
         self._vote.off_path = commit_off_path() if off_path is None else off_path
         reducer.end_of_backward.vote = self._vote
 
+    def _set_commit(self, step: int, members: list[int], generation: int) -> None:
+        """This rank's last commit is now ``step`` of ``generation``, with ``members`` (in
+        their rank order then)."""
+        assert self.members is not None
+        self.last_commit = (step, members)
+        self.members.record_commit((step, generation))
+
+    @property
+    def commit_key(self) -> CommitKey | None:
+        """The last commit's identity (step, generation); None before any."""
+        if self.last_commit is None:
+            return None
+        assert self.members is not None
+        commits = self.members.commits
+        if commits and commits[-1][0] == self.last_commit[0]:
+            return commits[-1]
+        return (self.last_commit[0], 0)  # set by hand, as a one-process test does
+
     def commit(self, step: int, value: str | Callable[[], str] = "1") -> int:
         """Commit ``step`` on every member or on none (see the module doc). ``value``: this
         rank's own state as the step leaves it (or a function that gives it, called only when
@@ -882,7 +1088,7 @@ class Recoverer:
                 raise StateAfterVoteError(self._moved_message(step, vote.moved))
             if isinstance(value, str) and value != vote.published:
                 self._republish(step, value, before)
-            self.last_commit = (step, list(members.members))
+            self._set_commit(step, list(members.members), members.generation)
             return vote.admit
         with self._reachable():
             members.publish(step, value if isinstance(value, str) else value(), before)
@@ -908,7 +1114,7 @@ class Recoverer:
         moved = sum(int(v[2]) for v in votes)
         if moved:
             raise StateAfterVoteError(self._moved_message(step, moved))
-        self.last_commit = (step, list(members.members))
+        self._set_commit(step, list(members.members), members.generation)
         queued = min(int(v[1]) for v in votes)
         return queued if queued > members.admitted else 0
 
@@ -1001,27 +1207,23 @@ class Recoverer:
         assert self.members is not None
         return self.members.joiners_seen if self.members.admits else self.members.admitted
 
-    def grow(self, step: int, count: int, release: Callable[[], None]) -> list[int]:
+    def grow(
+        self,
+        step: int,
+        count: int,
+        release: Callable[[], None],
+        ahead: Callable[[], Any] | None = None,
+    ) -> list[int]:
         """Admit the replacements queued up to ``count`` after step ``step`` (every member
-        calls it at the same step boundary): the group is formed anew with them appended;
-        ``release`` drops the caller's hold on the old group (as for :meth:`reform`). Returns
-        the newcomers' launch ranks. The caller then hands them the state (a collective the
-        newcomers join from their constructor)."""
-        assert self.members is not None and self._heartbeat is not None
-        started = time.monotonic()
-        with self._heartbeat.lock, self._reachable():
-            newcomers = self.members.grow(count)
-        g = self._form_group(release)
-        grown = Recovery(
-            generation=g, lost=[], members=list(self.members.members), step=step,
-            detected_s=None, joined=newcomers, started=started,
-        )  # fmt: skip
-        self._pending.append(grown)
-        log.warning(
-            "admitted replacement(s) %s after step %d: going on as rank %d of %d",
-            newcomers, step, self.members.rank, self.members.world_size,
-        )  # fmt: skip
-        return newcomers
+        calls it at the same step boundary): the next generation is decided as a re-form's is
+        (:meth:`reform`, with ``admit``), so a member lost meanwhile, or one that did not
+        commit the step, makes it a re-form instead; then the group is formed anew with the
+        newcomers appended. Returns the launch ranks the caller hands the run to (the
+        newcomers; none when it became a re-form: ``Membership.lost`` or ``behind``
+        then say so, and the caller goes on as after :meth:`reform`)."""
+        assert self.members is not None
+        self.reform(step, release, ahead, admit=count)
+        return list(self.members.newcomers)
 
     def hand_over(self, state: Any, own: Any = None) -> tuple[Any, list[Any]]:
         """Admitting replacements, over the group :meth:`grow` formed (a collective: the members
@@ -1033,10 +1235,14 @@ class Recoverer:
 
             state, owns = recoverer.hand_over({"optimizer": opt.state_dict()}, own=mine)
         """
-        assert self.members is not None
-        handed: list[Any] = [state if self.members.rank == 0 else None]
-        dist.broadcast_object_list(handed, src=0)
-        owns: list[Any] = [None] * self.members.world_size
+        members = self.members
+        assert members is not None
+        # The first member that holds the run (rank 0 but where every member holding it was
+        # lost, which the decision refuses: the newcomers come last).
+        source = next(i for i, r in enumerate(members.members) if r not in members.newcomers)
+        handed: list[Any] = [state if members.rank == source else None]
+        dist.broadcast_object_list(handed, src=source)
+        owns: list[Any] = [None] * members.world_size
         dist.all_gather_object(owns, own)
         return handed[0], owns
 
@@ -1051,11 +1257,12 @@ class Recoverer:
                 step every member voted on).
         """
         assert self.members is not None
-        if self.last_commit is None:
+        key = self.commit_key
+        if self.last_commit is None or key is None:
             raise RuntimeError("no step has been committed: there is no state to go back to")
-        step, members = self.last_commit
+        members = self.last_commit[1]
         with self._reachable():
-            return [self.members.own_value(r, step) for r in members]
+            return [self.members.own_value(r, key) for r in members]
 
     def lost(self, error: BaseException) -> bool:
         """Whether ``error`` came from a member being gone (waiting up to a heartbeat timeout
@@ -1080,11 +1287,19 @@ class Recoverer:
         return False
 
     def reform(
-        self, step: int, release: Callable[[], None], ahead: Callable[[], Any] | None = None
+        self,
+        step: int,
+        release: Callable[[], None],
+        ahead: Callable[[], Any] | None = None,
+        admit: int = 0,
     ) -> list[int]:
-        """Agree on the survivors, take the old group down and form the new one, and settle
-        the step they go on from; returns the old generation's members (launch ranks, in their
-        old rank order).
+        """Agree on the next generation (the survivors of a loss, or with ``admit``, the
+        members and the replacements their last commit's vote admitted: :meth:`grow`), take
+        the old group down and form the new one, and settle the step they go on from; returns
+        the old generation's members (launch ranks, in their old rank order). The newcomers
+        the decision names (``Membership.newcomers``: admitted now, or admitted by a
+        generation that failed before they had the run) are then handed the run by the
+        caller (:meth:`hand_over`); a newcomer calls this too when its take-over fails.
 
         ``release`` drops everything of the old group the caller holds (its DDP wrapper, the
         reducer's hooks): the old group's sockets close only when its last reference goes, and
@@ -1101,14 +1316,16 @@ class Recoverer:
 
         Raises:
             MembershipError: this rank cannot go on.
+            _Lost: a member of the new generation was lost before its group formed (the
+                caller re-forms again).
         """
         assert self.members is not None and self._heartbeat is not None
         noticed, now = time.monotonic(), time.time()
+        fresh = self.joined and self.last_commit is None  # a newcomer never handed the run
         with self._heartbeat.lock, self._reachable():
             dead, beats = self.members.dead(), self.members.last_beats()
             old_members = list(self.members.members)
-            committed = None if self.last_commit is None else self.last_commit[0]
-            lost = self.members.reform(committed)
+            lost = self.members.reform(self.commit_key, admit=admit, fresh=fresh)
             mismatch.reset()  # the new group starts with no failure
         # Detection time: from the launcher's record of the death, else from the last beat.
         since = [float(dead[r]["at"]) if r in dead else beats.get(r) for r in lost]
@@ -1118,6 +1335,7 @@ class Recoverer:
         self.behind, self.caught_up = self._roll_forward(ahead)
         if self.behind:
             step += 1  # the others committed the step this rank was in: the redo is the next
+        newcomers = list(self.members.newcomers)
         self._pending.append(  # after another one whose redo this loss cut short
             Recovery(
                 generation=g,
@@ -1125,42 +1343,58 @@ class Recoverer:
                 members=list(self.members.members),
                 step=step,
                 detected_s=detected,
+                joined=newcomers,
                 started=noticed,
             )
         )
-        log.warning(
-            "lost rank(s) %s at step %d: going on as rank %d of %d",
-            lost,
-            step,
-            self.members.rank,
-            self.members.world_size,
-        )
+        if lost or not newcomers:
+            log.warning(
+                "lost rank(s) %s at step %d: going on as rank %d of %d",
+                lost, step, self.members.rank, self.members.world_size,
+            )  # fmt: skip
+        if newcomers:
+            log.warning(
+                "admitting replacement(s) %s after step %d: going on as rank %d of %d",
+                newcomers, step, self.members.rank, self.members.world_size,
+            )  # fmt: skip
         return old_members
 
     def _roll_forward(self, ahead: Callable[[], Any] | None) -> tuple[bool, Any]:
-        """After a re-form: when some member had not committed the settled step, the first
-        member that had sends every member its last commit and ``ahead()`` (one broadcast
-        over the new group). Whether this rank was behind, and what ``ahead()`` gave if so."""
+        """After a re-form: when some member had not committed the settled commit, the first
+        member that had sends every member its last commit and ``ahead()`` (one broadcast over
+        the new group). Whether this rank was behind by a step (its state is then that of the
+        step it was in: what ``ahead()`` gave), and what ``ahead()`` gave if so. A member that
+        committed the same step in an older generation (the new generation's start commit
+        completed on others, not here) takes the newer commit alone: that commit moved no
+        state, only which members, in which places, the step's states are read of."""
         members = self.members
         assert members is not None
         if not members.behind:
             return False, None
         me_behind = members.me in members.behind
         if me_behind and self.voting != members.settled:
-            # Our invariant: the vote on the settled step completed on some member, so every
+            # Our invariant: the vote on the settled commit completed on some member, so every
             # member entered it (and left its state for it first).
             raise RuntimeError(
                 f"rank {members.me} is behind step {members.settled} without having voted on "
                 f"it (last vote: {self.voting})"
             )
-        source = next(i for i, r in enumerate(members.members) if r not in members.behind)
+        # The first member that committed it (not one behind, nor a newcomer).
+        without = set(members.behind) | set(members.newcomers)
+        source = next(i for i, r in enumerate(members.members) if r not in without)
         sent: list[Any] = [None]
         if members.rank == source:
-            sent = [(self.last_commit, None if ahead is None else ahead())]
+            sent = [(self.last_commit, self.commit_key, None if ahead is None else ahead())]
         dist.broadcast_object_list(sent, src=source)
         if not me_behind:
             return False, None
-        self.last_commit, caught_up = sent[0]
+        before = self.last_commit
+        (step, committed_members), key, caught_up = sent[0]
+        assert key == members.settled_key, (key, members.settled_key)
+        self._set_commit(step, list(committed_members), key[1])
+        if before is not None and before[0] == step:
+            log.warning("rolling forward to generation %d's commit of step %s", key[1], step)
+            return False, None
         log.warning("rolling forward to step %s, which others committed", members.settled)
         return True, caught_up
 
@@ -1178,21 +1412,34 @@ class Recoverer:
     def _form_group(self, release: Callable[[], None]) -> int:
         """Leave the old group (``release`` first drops the caller's hold on it) and form the
         current generation's over its key prefix of the job's store; the generation."""
-        assert self.members is not None
-        backend = dist.get_backend()
+        members = self.members
+        assert members is not None
+        g = members.generation
+        # Every member says it is here first: one lost since the decision is noticed in
+        # store calls that return (a re-form follows), not by the group's formation, which
+        # would wait for it to the group's timeout.
+        with self._reachable():
+            gone = join.meet(
+                members.store, members.key(f"gen{g}", ""), members.me, members.members,
+                members.gone, timeout_s=max(60.0, 6 * members.heartbeat_timeout),
+            )  # fmt: skip
+        if gone:
+            raise _Lost(f"rank(s) {sorted(gone)} of generation {g} left before its group formed")
+        # The backend of the group being left: none is left when a formation failed before.
+        backend = dist.get_backend() if dist.is_initialized() else self._backend
+        self._backend = backend
         release()
         records.clear()
         _abandon_group()
         gc.collect()
-        g = self.members.generation
         dist.init_process_group(
             backend,
-            store=dist.PrefixStore(self.members.key(f"gen{g}", "pg") + "/", _job_store()),
-            rank=self.members.rank,
-            world_size=self.members.world_size,
-            timeout=timedelta(seconds=max(60.0, 6 * self.members.heartbeat_timeout)),
+            store=dist.PrefixStore(members.key(f"gen{g}", "pg") + "/", _job_store()),
+            rank=members.rank,
+            world_size=members.world_size,
+            timeout=timedelta(seconds=max(60.0, 6 * members.heartbeat_timeout)),
         )
-        reformed(self.members.rank, self.members.world_size)
+        reformed(members.rank, members.world_size)
         return g
 
     def committed(self) -> None:
@@ -1446,55 +1693,117 @@ class Run:
         self._ddp, self.model = None, self.module
 
     def _admit(self, count: int) -> None:
-        """Admit the replacements the commit's vote named (``count`` queued; every member
-        does it after the same step), hand them the run's state from rank 0, and commit the
-        new generation's start (which may name more)."""
-        while count:
-            self.recoverer.grow(self.step_count, count, self._release)
-            self.model = self._wrap()  # its constructor broadcasts rank 0's parameters
-            self.recoverer.hand_over(
-                {"optimizer": self.optimizer.state_dict(), "run": self.state_dict()}
-            )
-            self._start_sampler()
-            count = self.recoverer.commit(self.step_count - 1, self._rng.value())
+        """Admit the replacements the commit's vote named (``count``: up to that place in the
+        queue; every member that committed the step does it after it): the next generation is
+        decided as a re-form's is, so a member lost meanwhile, or one that did not commit the
+        step, makes it a re-form, which this rank goes through as any (:meth:`_recover`)."""
+        if count:
+            self._recover(admit=count)
 
     def _take_over(self) -> None:
-        """A replacement, admitted: take the run's state from rank 0 (the parameters came with
-        the wrapper's constructor), start its generators where a resume at this world size
-        would (:func:`newcomer_seed`), and commit the new generation's start with the
-        members."""
-        state, _ = self.recoverer.hand_over(None)
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.load_state_dict(state["run"])
-        seed_rng(newcomer_seed(self.seed, self.step_count, self.rank))
-        self._rng.forget()
-        self._admit(self.recoverer.commit(self.step_count - 1, self._rng.value()))
+        """A replacement, admitted (its wrapper's constructor took the parameters): take the
+        run from the members and commit the new generation's start with them
+        (:meth:`_settle`). A member lost meanwhile (or this rank's take-over failing) makes
+        it join the re-form as a member that holds nothing yet, or, once it holds the run, as
+        any member."""
+        try:
+            count = self._settle()
+        except MembershipError:
+            raise
+        except Exception as error:
+            if not self.recoverer.lost(error):
+                raise
+            count = -1
+        # Outside the except block: the failed collective's frames are gone first.
+        if count < 0:
+            self._recover()
+        else:
+            self._admit(count)
 
-    def _recover(self) -> bool:
-        """Re-form with the survivors and go back to the last step they committed; whether
-        that is the step this rank was in (its vote completed elsewhere, not here: it rolls
-        forward to the state that step left on a member that committed it; its own gradients
-        may be partial sums, the vote riding in their all-reduce)."""
+    def _recover(self, admit: int = 0) -> bool:
+        """Go to the next generation: the survivors after a loss, or (``admit``) the members
+        with the replacements their last commit's vote admitted, whichever the members decide
+        first (:meth:`Recoverer.reform`). A member behind the step the others committed rolls
+        forward to the state that step left on one that committed it (its own gradients may
+        be partial sums, the vote riding in their all-reduce); the newcomers are handed the
+        run; a loss meanwhile re-forms again. Whether this rank rolled forward to the step it
+        was in (its vote completed elsewhere, not here)."""
 
         def ahead() -> dict[str, Any]:
             return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict()}
 
-        self.recoverer.reform(self.step_count, self._release, ahead)
-        settled = self.recoverer.last_commit
-        behind = self.recoverer.behind and settled is not None and self.step_count == settled[0]
-        if behind:
-            caught_up = self.recoverer.caught_up
-            self.module.load_state_dict(caught_up["model"])
-            self.optimizer.load_state_dict(caught_up["optimizer"])
-            # With the old world's sampler: where that step left the epoch.
-            self._apply(step_optimizer=False)
-        self.model = self._wrap()
+        rolled, failed = False, False
+        while True:
+            try:
+                self.recoverer.reform(self.step_count, self._release, ahead, admit=admit)
+                settled = self.recoverer.last_commit
+                behind = (
+                    self.recoverer.behind and settled is not None and self.step_count == settled[0]
+                )
+                if behind:
+                    caught_up = self.recoverer.caught_up
+                    self.module.load_state_dict(caught_up["model"])
+                    self.optimizer.load_state_dict(caught_up["optimizer"])
+                    # With the old world's sampler: where that step left the epoch.
+                    self._apply(step_optimizer=False)
+                    rolled = True
+                self.model = self._wrap()
+                admit = self._settle()
+            except MembershipError:
+                raise
+            except Exception as error:
+                if not self.recoverer.lost(error):
+                    raise
+                failed = True
+            # Outside the except block: the failed collective's frames are gone first.
+            if failed:
+                failed, admit = False, 0
+                continue
+            if not admit:
+                return rolled
+
+    def _settle(self) -> int:
+        """A new generation, its wrapper made: hand the run to its newcomers (one of them:
+        take it), deal the samples anew, and start every rank's generators where a resume at
+        this world size from the last commit starts them: new rank r continues rank r's of
+        that commit (its own where it keeps its number), a rank beyond them is seeded as such
+        a resume seeds it (:func:`newcomer_seed`). With newcomers, the new generation's start
+        is committed (a loss right after goes back to it); the count to admit next (0: none).
+        """
+        members = self.members
+        assert members is not None
+        newcomers = members.newcomers
+        if newcomers:
+            fresh = members.me in newcomers
+            state: dict[str, Any] | None = None
+            if not fresh:
+                state = {
+                    "optimizer": self.optimizer.state_dict(),
+                    "run": self.state_dict(),
+                    "commit": self.recoverer.last_commit,
+                    "key": self.recoverer.commit_key,
+                }
+            handed, _ = self.recoverer.hand_over(state)
+            if fresh:
+                self.optimizer.load_state_dict(handed["optimizer"])
+                self.load_state_dict(handed["run"])
+                step, committed_members = handed["commit"]
+                # Holding the run from here on: a loss re-forms it as any member, and the
+                # states it starts from are those of that very commit (its key: a commit of
+                # the same step by another generation holds others).
+                self.recoverer._set_commit(step, list(committed_members), handed["key"][1])
         self._start_sampler()
-        # New rank r continues rank r's generators of the last commit (as a resume at another
-        # world size maps them): its own where it keeps its number.
-        restore_rng_state(expand_rng_state(decode(self.recoverer.committed_states()[self.rank])))
+        last = self.recoverer.last_commit
+        assert last is not None
+        if self.rank < len(last[1]):
+            own = self.recoverer.committed_states()[self.rank]
+            restore_rng_state(expand_rng_state(decode(own)))
+        else:
+            seed_rng(newcomer_seed(self.seed, self.step_count, self.rank))
         self._rng.forget()
-        return behind
+        if not newcomers:
+            return 0
+        return self.recoverer.commit(self.step_count - 1, self._rng.value())
 
 
 class RngText:

@@ -9,6 +9,14 @@ of joiners (``joiners``, a counter; ``joiner/<n>``, its launch rank), then waits
 process's rank and world size there, and the key prefix of the group they form with it. Every
 key lives under ``tandem/<job secret's scope>recover/``, as the rest of the protocol's.
 
+Before anyone forms a generation's group, every member of it says it is here (:func:`meet`):
+a member lost before (the launcher's dead mark, or its heartbeat silent) is seen there, in
+store calls that each return, instead of inside the group's formation, which would wait for it
+to the group's timeout. A replacement whose admitting generation loses a member so, before its
+group was ever formed, joins that generation's re-form as a member holding no state yet
+(``fresh``): the survivors decide the next generation with it and hand it the run there; one
+they leave out stops with a message that says so.
+
 Imports no torch at import time (the store is the caller's).
 
 Example::
@@ -24,8 +32,10 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
+from functools import partial
 from typing import Any
 
 from tandem.job.secret import key_scope
@@ -35,6 +45,9 @@ JOIN_VARIABLE = "TANDEM_RECOVER_JOIN"
 
 #: What this process was admitted with (``ask_to_join``'s answer), once it was.
 admitted: dict[str, Any] | None = None
+#: Seconds without a heartbeat after which a member counts as gone (the launcher's setting).
+HEARTBEAT_TIMEOUT_VARIABLE = "TANDEM_HEARTBEAT_TIMEOUT"
+_POLL_S = 0.005
 
 
 def prefix(environ: Mapping[str, str] = os.environ) -> str:
@@ -107,5 +120,103 @@ def ask_to_join(store: Any, me: int, timeout_s: float) -> dict[str, Any]:
             f"replacement rank {me}: not admitted into the job within {timeout_s:g} s (the job "
             "may have ended before its next step boundary)"
         ) from error
-    admitted = json.loads(store.get(answer))
+    admission = json.loads(store.get(answer))
+    beat_s = float(os.environ.get(HEARTBEAT_TIMEOUT_VARIABLE) or 10.0)
+    while True:
+        g, members = int(admission["generation"]), [int(r) for r in admission["members"]]
+        gone = meet(
+            store, f"{keys}gen{g}/", me, members, partial(silent_or_dead, store, members, me),
+            timeout_s=max(60.0, 6 * beat_s),
+        )  # fmt: skip
+        if not gone:
+            break
+        # A member of the generation that admitted this rank was lost before its group was
+        # formed: the survivors re-form it, with this rank as a member that holds nothing yet.
+        store.set(
+            f"{keys}gen{g + 1}/join/{me}",
+            json.dumps({"committed": None, "admit": 0, "fresh": True}),
+        )
+        decided = f"{keys}gen{g + 1}/members"
+        store.wait([decided], timedelta(seconds=max(60.0, 6 * beat_s)))
+        members = [int(r) for r in json.loads(store.get(decided))]
+        if me not in members:
+            raise RuntimeError(
+                f"replacement rank {me}: rank(s) {sorted(gone)} of the generation that admitted "
+                f"it were lost before it started, and the others went on without it (members "
+                f"{members}); it stops here"
+            )
+        admission = {
+            **admission,
+            "generation": g + 1,
+            "members": members,
+            "rank": members.index(me),
+            "world_size": len(members),
+            "prefix": f"{keys}gen{g + 1}/pg/",
+            # Those the members hand the run to: the ones that hold none (as this rank).
+            "newcomers": [
+                r for r in members if r not in admission["members"] or r in admission["newcomers"]
+            ],
+        }
+    admitted = admission
     return admitted
+
+
+def meet(
+    store: Any,
+    generation: str,
+    me: int,
+    members: Sequence[int],
+    gone: Callable[[], set[int]],
+    timeout_s: float,
+) -> set[int]:
+    """Say that launch rank ``me`` is here to form the group of the generation whose keys
+    start with ``generation``, and wait until every one of ``members`` said so; the members
+    ``gone()`` names meanwhile (empty: every member is here). A member lost before it got
+    here is noticed so within a poll, rather than by the group's formation, which waits for
+    its address to the group's timeout.
+
+    Raises:
+        TimeoutError: neither within ``timeout_s`` (a member alive and not coming).
+
+    Example::
+
+        gone = meet(store, prefix() + "gen3/", 2, [0, 2, 5], lambda: set(), timeout_s=60)
+    """
+    store.set(f"{generation}here/{me}", "1")
+    keys = [f"{generation}here/{r}" for r in members]
+    deadline = time.monotonic() + timeout_s
+    while not store.check(keys):
+        lost = gone() & set(members)
+        if lost:
+            return lost
+        if time.monotonic() > deadline:
+            missing = [r for r, key in zip(members, keys, strict=True) if not store.check([key])]
+            raise TimeoutError(
+                f"rank {me}: members {missing} of {list(members)} did not come to form the "
+                f"group ({generation}) within {timeout_s:g} s"
+            )
+        time.sleep(_POLL_S)
+    return set()
+
+
+def silent_or_dead(store: Any, members: Sequence[int], me: int) -> set[int]:
+    """Of ``members`` (launch ranks), those the launcher marked dead or whose heartbeat is
+    older than ``TANDEM_HEARTBEAT_TIMEOUT`` (what a member's own check counts as gone).
+
+    Example::
+
+        silent_or_dead(store, [0, 2, 5], me=5)   # {2}: marked dead by the launcher
+    """
+    keys, now = prefix(), time.time()
+    timeout = float(os.environ.get(HEARTBEAT_TIMEOUT_VARIABLE) or 10.0)
+    found = set()
+    for r in members:
+        if r == me:
+            continue
+        if store.check([f"{keys}dead/{r}"]):
+            found.add(r)
+            continue
+        beat = f"{keys}hb/{r}"
+        if store.check([beat]) and now - float(store.get(beat)) > timeout:
+            found.add(r)
+    return found

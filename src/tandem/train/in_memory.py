@@ -76,9 +76,11 @@ from tandem.job import join
 from tandem.parallel.adapters import model_state, optimizer_state
 from tandem.parallel.engine import Engine
 from tandem.recovery import (
+    MembershipError,
     Recoverer,
     RngText,
     StateAfterVoteError,
+    _Lost,
     declare_unable,
     decode,
     enabled,
@@ -141,6 +143,7 @@ class InMemory:
         self.after_step = False  # the state kept is a step's (not train()'s start)
         self.refused: str | None = None
         self.growing = 0  # replacements the last commit's vote admits (queued up to)
+        self._reformed = False  # an admission became a re-form: recover() finds it made
         self.rng = RngText()  # this rank's generators as the commit leaves them in the store
         # The step's micro-batch whose backward carries the vote: its loss, count and tokens;
         # and the loss sums own() left in the store at the vote.
@@ -270,19 +273,28 @@ class InMemory:
         assert self.kept is not None
         self.growing = 0  # the queue stays: the new generation's next commit names it again
 
-        def ahead() -> dict[str, Any]:
-            """What a member behind the step this one committed needs of it: the state that
-            step left (the gradients it holds are the same, so this is what its own
-            optimizer step would make, and the Trainer's shared state after it)."""
-            return {
-                "model": trainer.engine.module.state_dict(),
-                "optimizer": trainer.optimizer.state_dict(),
-                "kept": self.kept,
-                "after_step": self.after_step,
-            }
-
+        ahead = partial(self._ahead, trainer)
         recoverer = self.recoverer
-        recoverer.reform(trainer.state.step, trainer._release_world, ahead)
+        while not self._reformed:
+            try:
+                recoverer.reform(trainer.state.step, trainer._release_world, ahead)
+                self._reformed = True
+            except MembershipError:
+                raise
+            except Exception as error:  # a member lost before the new group formed: again
+                if not recoverer.lost(error):
+                    raise
+        self._reformed = False
+        members = recoverer.members
+        assert members is not None
+        if members.newcomers:
+            # A replacement whose admission failed before it had the run: the Trainer does not
+            # hand it the run within a re-form (tandem.recovery.Run does).
+            raise MembershipError(
+                f"replacement rank(s) {members.newcomers} lost their admission to a "
+                "loss before they had the run, and a Trainer does not hand it to them within a "
+                "re-form yet: the job stops here (resume it from its last checkpoint)"
+            )
         if recoverer.behind:  # its vote completed on others, not here: the step is theirs
             caught_up = recoverer.caught_up
             trainer.engine.module.load_state_dict(caught_up["model"])
@@ -304,6 +316,17 @@ class InMemory:
         self.rng.forget()
         return self.after_step
 
+    def _ahead(self, trainer: Trainer) -> dict[str, Any]:
+        """What a member behind the step this one committed needs of it: the state that step
+        left (the gradients it holds are the same, so this is what its own optimizer step
+        would make, and the Trainer's shared state after it)."""
+        return {
+            "model": trainer.engine.module.state_dict(),
+            "optimizer": trainer.optimizer.state_dict(),
+            "kept": self.kept,
+            "after_step": self.after_step,
+        }
+
     def admit(self, trainer: Trainer) -> None:
         """Admit the replacements the last commit's vote named (every member at the same
         step boundary, once that step's boundary is done; see the module doc): grow the group,
@@ -320,7 +343,20 @@ class InMemory:
             # Taken before the group changes: nothing the rebuilding draws or adds counts.
             shared = {**_shared_state(trainer), "optimizer": trainer.optimizer.state_dict()}
             own = _saved_run(trainer).rank_state_dict()
-            self.recoverer.grow(step, self.growing, trainer._release_world)
+            recoverer, members = self.recoverer, self.recoverer.members
+            assert members is not None
+            recoverer.grow(
+                step, self.growing, trainer._release_world, partial(self._ahead, trainer)
+            )
+            if members.lost or members.behind:
+                # A member lost, or one that did not commit the step (a split vote): the members
+                # decided a re-form instead, and this rank is in it; train() goes on from here
+                # as after any loss (recover(), which finds the group re-formed).
+                self.growing, self._reformed = 0, True
+                raise _Lost(
+                    f"rank(s) {members.lost or members.behind} lost or behind during the "
+                    f"admission after step {step}: re-formed instead"
+                )
             # The same collectives, in the same order, as a newcomer's Trainer constructor:
             # tandem.DDP's (its broadcast gives the newcomers the parameters), the run
             # directory's check, the loggers' opening (no record is dropped).
@@ -336,8 +372,18 @@ class InMemory:
         """A replacement, admitted (its constructor made the members' collectives): take the
         run from them. Its generators are restored where a resumed run's are, as
         ``train()`` starts: a rank the members' run had not is seeded as a resume seeds it."""
-        assert self.recoverer is not None
-        shared, owns = self.recoverer.hand_over(None)
+        assert self.recoverer is not None and self.recoverer.members is not None
+        try:
+            shared, owns = self.recoverer.hand_over(None)
+        except Exception as error:
+            # tandem.recovery.Run's replacement joins the members' re-form and is handed the
+            # run again; a Trainer's is not yet: it stops, and the launcher counts it lost.
+            raise RuntimeError(
+                f"replacement rank {self.recoverer.members.me}: the hand-over of the run failed "
+                f"({str(error).splitlines()[0] if str(error) else type(error).__name__}): a "
+                "member was lost while this replacement took over, and a Trainer's replacement "
+                "stops here (the members go on without it)"
+            ) from error
         trainer.optimizer.load_state_dict(shared["optimizer"])
         _load(trainer, shared, [state for state in owns if state is not None])
 
