@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.recovery.chains import Chains
+
 
 def pytest_ignore_collect(collection_path: Path) -> bool | None:
     name = collection_path.name
@@ -29,3 +31,10 @@ def _reports_in_tmp(
     A test that wants them sets ``TANDEM_REPORT_DIR`` itself (it overrides this one).
     """
     monkeypatch.setenv("TANDEM_REPORT_DIR", str(tmp_path_factory.mktemp("reports")))
+
+
+@pytest.fixture(scope="session")
+def chains(tmp_path_factory: pytest.TempPathFactory) -> Chains:
+    """The recovery tests' oracle chains (:mod:`tests.recovery.chains`), each distinct one run
+    once a session in this pytest worker, the missing ones of a batch in one launch."""
+    return Chains(tmp_path_factory.mktemp("chains"))

@@ -137,6 +137,18 @@ class Nodes(Launchers):
         os.killpg(self.procs[launcher].pid, signal.SIGKILL)
         self.procs[launcher].wait()
 
+    def start_and_lose(self, out: Path, node: int) -> int:
+        """Start `tandem run` on every namespace, wait until the rank of node ``node`` (one a
+        node) pauses (``--pause``), then SIGKILL that node's launcher with its worker: which
+        launcher it was."""
+        every = list(range(len(self.net.nodes)))
+        for namespace in every:
+            self.start(namespace)
+        victim = self.holding(node, every)
+        paused(out, node)
+        self.kill(victim)
+        return victim
+
     def accounted_for(self, out: Path) -> None:
         """No launcher (nor its session), no worker that wrote a pid file (nor its process
         group), and no process naming the test's directory is left."""
@@ -178,7 +190,7 @@ def go(out: Path, rank: int) -> None:
 
 @pytest.mark.timeout(300)
 def test_a_node_that_was_down_rejoins_the_running_job_and_the_run_equals_its_schedule(
-    net_of, tmp_path
+    net_of, tmp_path, chains
 ):
     net = net_of(3)
     out = tmp_path / "rejoined.pt"
@@ -187,11 +199,7 @@ def test_a_node_that_was_down_rejoins_the_running_job_and_the_run_equals_its_sch
     # step 6 until the rejoined worker has asked to join, so that the run does not end first.
     worker += ["--pause", "2:3", "--pause", "0:6"]
     with nodes(net, tmp_path, "2:3", worker) as run:
-        for namespace in range(3):
-            run.start(namespace)
-        victim = run.holding(2, [0, 1, 2])
-        paused(out, 2)
-        run.kill(victim)
+        victim = run.start_and_lose(out, 2)
         paused(out, 0)  # ranks 0 and 1 went on in memory to step 6
         back = run.start(run.where[victim])  # the same `tandem run`, on the same namespace
         run.wait_for(back, r"this node \(node \d+\) joins it")
@@ -218,8 +226,7 @@ def test_a_node_that_was_down_rejoins_the_running_job_and_the_run_equals_its_sch
     ], recoveries
     assert rejoined["world_size"] == 3
     assert f"replacement rank 3 admitted after step {recoveries[1]['step']}" in run.text(0)
-    (tmp_path / "oracle").mkdir()
-    assert_equal_runs(rejoined, chain(tmp_path / "oracle", 3, recoveries, EPOCHS))
+    assert_equal_runs(rejoined, chain(chains, 3, recoveries, EPOCHS))
 
 
 @pytest.mark.timeout(200)
@@ -229,11 +236,7 @@ def test_fewer_than_min_nodes_left_ends_the_job_on_every_node_saying_so(net_of, 
     # Rank 0 waits at step 6 for a go that never comes: only its launcher can end the job.
     worker = ["-m", WORKER, str(out), *EPOCHS, "--pause", "2:3", "--pause", "0:6"]
     with nodes(net, tmp_path, "3:3", worker) as run:
-        for namespace in range(3):
-            run.start(namespace)
-        victim = run.holding(2, [0, 1, 2])
-        paused(out, 2)
-        run.kill(victim)
+        victim = run.start_and_lose(out, 2)
         killed = time.monotonic()
         codes = run.finish(60)
         took = time.monotonic() - killed

@@ -45,6 +45,7 @@ from tests.launch.netns_switch import Switch
 from tests.launch.test_recover_fallback import assert_bitwise
 from tests.launch.test_recover_partition import BEAT_S, Launchers, start_nodes
 from tests.launching import final_checkpoint, run_job
+from tests.recovery.chains import Chains, resumes
 from tests.recovery.test_recovery import assert_equal_runs, leftovers
 
 pytestmark = [pytest.mark.launch, pytest.mark.xdist_group("recovery")]
@@ -110,28 +111,20 @@ def job(*args, **kwargs) -> Iterator[Job]:
         started.stop()
 
 
-def chain(directory: Path, size: int, recoveries: list[dict], epochs: tuple[str, ...]) -> dict:
+def chain(chains: Chains, size: int, recoveries: list[dict], epochs: tuple[str, ...]) -> dict:
     """The oracle of a run with ``recoveries`` (each: the step, the members after it): train at
     ``size`` ranks to the first one's step and save, resume at its members' count to the next
     one's step and save, ... and resume to the end (the one-node chain of
-    tests/recovery/test_replacement.py, for any schedule)."""
-    saved: Path | None = None
-    for i, recovery in enumerate([*recoveries, None]):
-        out = directory / f"link{i}.pt"
-        args = [str(out), *epochs]
-        if saved is not None:
-            args += ["--resume", str(saved)]
-        if recovery is not None:
-            args += ["--stop-after", str(recovery["step"])]
-        run_job(size, [], RECOVERY_WORKER, *args, timeout=300)
-        if recovery is not None:
-            saved, size = out, len(recovery["members"])
-    return torch.load(out, weights_only=True)
+    tests/recovery/test_replacement.py, for any schedule), in one launch
+    (:mod:`tests.recovery.chains`)."""
+    steps = [(recovery["step"], len(recovery["members"])) for recovery in recoveries]
+    (end,) = chains.get(resumes(size, steps, epochs))
+    return torch.load(end, weights_only=True)
 
 
 @pytest.mark.timeout(400)
 def test_a_lost_worker_is_replaced_on_its_own_node_with_a_launch_rank_unique_in_the_job(
-    net_of, tmp_path
+    net_of, tmp_path, chains
 ):
     net = net_of(2)
     out = tmp_path / "grown.pt"
@@ -174,8 +167,7 @@ def test_a_lost_worker_is_replaced_on_its_own_node_with_a_launch_rank_unique_in_
         if rec.get("joined"):
             said = f"replacement rank{'s' if len(rec['joined']) > 1 else ''} "
             assert said + ", ".join(map(str, rec["joined"])) in run.text(0), shown
-    (tmp_path / "oracle").mkdir()
-    assert_equal_runs(grown, chain(tmp_path / "oracle", 4, recoveries, epochs))
+    assert_equal_runs(grown, chain(chains, 4, recoveries, epochs))
 
 
 @pytest.mark.timeout(400)

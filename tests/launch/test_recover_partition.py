@@ -41,7 +41,8 @@ import torch
 
 from tests.launch.netns_switch import Switch
 from tests.launching import clean_env, python_path
-from tests.recovery.test_recovery import assert_equal_runs, leftovers, resumed
+from tests.recovery.chains import Chains, resumes
+from tests.recovery.test_recovery import assert_equal_runs, leftovers
 
 pytestmark = [pytest.mark.launch, pytest.mark.xdist_group("recovery")]
 
@@ -54,6 +55,8 @@ RECOVERED_WITHIN_S = 5.0
 CUT_OFF = "cut off from the job's store at {addr}:{port}: this rank is on the side of a partition"
 NO_MAJORITY = "without a majority this side of a partition stops"
 LOST_STORE = "lost the job's store at {addr}:{port}"
+# The oracles of the majority tests below: 3 ranks (4) to step 3, saved, resumed at 2 (3).
+MAJORITY_ORACLES = (resumes(3, [(3, 2)]), resumes(4, [(3, 3)]))
 
 
 def start_nodes(
@@ -188,7 +191,12 @@ def job(net: Switch, out: Path, args: list[str], flags: tuple[str, ...] = ()) ->
 
 
 def _majority_goes_on(
-    net: Switch, tmp_path: Path, cut: str, step: int = 3, flags: tuple[str, ...] = ()
+    net: Switch,
+    tmp_path: Path,
+    chains: Chains,
+    cut: str,
+    step: int = 3,
+    flags: tuple[str, ...] = (),
 ) -> None:
     """The last node is cut off (``cut``: "link" or "split") at ``step``; the others hold a
     majority, go on, and end as the oracle does. With ``--max-restarts`` in ``flags``, node 0
@@ -230,20 +238,23 @@ def _majority_goes_on(
     # From the victim's last beat (the cut, within half a second) to the next committed step.
     assert recovery["detected_s"] + recovery["recovered_s"] < RECOVERED_WITHIN_S, recovery
     assert recovered["world_size"] == victim
-    assert_equal_runs(recovered, resumed(tmp_path / "oracle", n, victim, step, []))
+    # The oracle (trained to the step at n ranks, saved, resumed at n - 1); both tests' oracles
+    # run in the first one's launch.
+    (oracle, *_) = chains.get(resumes(n, [(step, victim)]), *MAJORITY_ORACLES)
+    assert_equal_runs(recovered, torch.load(oracle, weights_only=True))
 
 
 @pytest.mark.timeout(300)
-def test_a_link_down_leaves_the_cut_node_out_and_the_others_end_as_the_oracle(net_of, tmp_path):
-    (tmp_path / "oracle").mkdir()
+def test_a_link_down_leaves_the_cut_node_out_and_the_others_end_as_the_oracle(
+    net_of, tmp_path, chains
+):
     # A replacement is allowed: nobody can start one (node 2's launcher lost the store).
-    _majority_goes_on(net_of(3), tmp_path, "link", flags=("--max-restarts", "1"))
+    _majority_goes_on(net_of(3), tmp_path, chains, "link", flags=("--max-restarts", "1"))
 
 
 @pytest.mark.timeout(300)
-def test_a_partition_3_1_lets_the_majority_go_on_and_stops_the_one(net_of, tmp_path):
-    (tmp_path / "oracle").mkdir()
-    _majority_goes_on(net_of(4), tmp_path, "split")
+def test_a_partition_3_1_lets_the_majority_go_on_and_stops_the_one(net_of, tmp_path, chains):
+    _majority_goes_on(net_of(4), tmp_path, chains, "split")
 
 
 @pytest.mark.timeout(200)

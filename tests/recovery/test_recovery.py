@@ -46,6 +46,7 @@ import pytest
 import torch
 
 from tests.launching import run_job
+from tests.recovery.chains import Chain, Chains, resumes
 
 # One worker runs them in turn: the cases share their oracles, and two jobs of 4 ranks at once
 # on a 2-core machine would eat into the recovery times they check.
@@ -65,45 +66,6 @@ def launch(
     return run_job(nproc, flags, WORKER, *args, timeout=timeout, check=False)
 
 
-def resumed(directory: Path, nproc: int, size: int, step: int, extra: list[str]) -> dict:
-    """Train at ``nproc`` ranks to ``step``, save, resume at ``size`` ranks to the end."""
-    return resumed_chain(directory, nproc, [(step, size)], extra)
-
-
-def resumed_chain(
-    directory: Path, nproc: int, sizes: list[tuple[int, int]], extra: list[str]
-) -> dict:
-    """Train at ``nproc`` ranks to the first step of ``sizes`` (pairs of a step and the world
-    size from it on), save, resume at its size to the next step, save, and so on to the end."""
-    saved: Path | None = None
-    for i, (step, _) in enumerate(sizes):
-        size = nproc if i == 0 else sizes[i - 1][1]
-        part = directory / f"part{i}.pt"
-        resume = [] if saved is None else ["--resume", str(saved)]
-        first = launch(size, [str(part), "--stop-after", str(step), *resume, *extra])
-        assert first.returncode == 0, first.stderr
-        saved = part
-    end = directory / "oracle.pt"
-    second = launch(sizes[-1][1], [str(end), "--resume", str(saved), *extra])
-    assert second.returncode == 0, second.stderr
-    return torch.load(end, weights_only=True)
-
-
-@pytest.fixture(scope="module")
-def oracle(tmp_path_factory) -> Callable[..., dict]:
-    """``oracle(nproc, sizes, extra)``: :func:`resumed`, run once per set-up."""
-    made: dict[tuple, dict] = {}
-
-    def get(nproc: int, sizes: tuple[tuple[int, int], ...], extra: tuple[str, ...] = ()) -> dict:
-        key = (nproc, sizes, extra)
-        if key not in made:
-            directory = tmp_path_factory.mktemp("oracle")
-            made[key] = resumed_chain(directory, nproc, list(sizes), [*extra])
-        return made[key]
-
-    return get
-
-
 @dataclass(frozen=True)
 class Case:
     nproc: int
@@ -116,6 +78,18 @@ class Case:
     @property
     def victims(self) -> list[int]:
         return sorted(int(k.split(":")[0]) for k in self.kills)
+
+    @property
+    def oracle(self) -> Chain:
+        """Trained to the step redone at the full size, saved, resumed at the survivors' number
+        (and on to the next size, for re-forms at different steps)."""
+        sizes: list[tuple[int, int]] = []
+        alive = self.nproc
+        for gone, step in self.recoveries:
+            alive -= len(gone)
+            sizes = [*sizes[:-1]] if sizes and sizes[-1][0] == step else sizes
+            sizes.append((step, alive))
+        return resumes(self.nproc, sizes, self.extra)
 
 
 TWO_EPOCHS = ("--epochs", "2")  # 4 steps an epoch at 4 ranks (60 samples, 4 a rank)
@@ -199,6 +173,31 @@ CASES = [
         id="3-2-step-split-none-committed",
     ),
 ]
+
+
+# 3 ranks from the start to the end (a chain of one segment).
+UNINTERRUPTED = resumes(3, [])
+
+
+@pytest.fixture(scope="module")
+def oracle(chains: Chains, request: pytest.FixtureRequest) -> Callable[[Chain], dict]:
+    """``oracle(chain)``: its record. The first call runs the oracles of every case of this
+    module that the session runs, in one launch (:mod:`tests.recovery.chains`)."""
+    wanted = [UNINTERRUPTED] + [
+        item.callspec.params["case"].oracle
+        for item in request.session.items
+        if getattr(item, "module", None) is request.module
+        and "case" in getattr(getattr(item, "callspec", None), "params", {})
+    ]
+    loaded: dict[Chain, dict] = {}
+
+    def get(chain: Chain) -> dict:
+        if chain not in loaded:
+            (end, *_) = chains.get(chain, *wanted)
+            loaded[chain] = torch.load(end, weights_only=True)
+        return loaded[chain]
+
+    return get
 
 
 def leftovers(pids: set[int]) -> list[str]:
@@ -285,21 +284,11 @@ def test_a_lost_rank_costs_one_step_and_the_run_equals_a_resume(tmp_path, oracle
         assert recovery["detected_s"] + recovery["recovered_s"] < limit, recovery
     assert recovered["world_size"] == len(members) == case.nproc - len(case.victims)
 
-    # The oracle: trained to the step redone at the full size, resumed at the survivors' size
-    # (and on to the next size, for re-forms at different steps).
-    sizes: list[tuple[int, int]] = []
-    alive = case.nproc
-    for gone, step in case.recoveries:
-        alive -= len(gone)
-        sizes = [*sizes[:-1]] if sizes and sizes[-1][0] == step else sizes
-        sizes.append((step, alive))
-    assert_equal_runs(recovered, oracle(case.nproc, tuple(sizes), case.extra))
+    assert_equal_runs(recovered, oracle(case.oracle))
 
 
-def test_without_a_failure_the_run_differs_from_the_resumed_one(tmp_path, oracle):
+def test_without_a_failure_the_run_differs_from_the_resumed_one(oracle):
     # The oracle means something: at 3 ranks throughout, the run ends elsewhere.
-    out = tmp_path / "plain.pt"
-    assert launch(3, [str(out)]).returncode == 0
-    plain, resumed_at_2 = torch.load(out, weights_only=True), oracle(3, ((3, 2),))
+    plain, resumed_at_2 = oracle(UNINTERRUPTED), oracle(resumes(3, [(3, 2)]))
     assert plain["steps"] != resumed_at_2["steps"]
     assert any(not torch.equal(plain["model"][k], v) for k, v in resumed_at_2["model"].items())

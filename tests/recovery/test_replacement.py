@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from tests.launching import run_job
+from tests.recovery.chains import resumes
 from tests.recovery.test_recovery import assert_equal_runs, leftovers
 
 pytestmark = [pytest.mark.launch, pytest.mark.xdist_group("recovery")]
@@ -34,7 +35,7 @@ def run_worker(nproc: int, out: Path, *args: str, flags: tuple[str, ...] = ()):
 
 
 @pytest.mark.timeout(600)
-def test_a_replacement_joins_at_a_step_boundary_and_the_run_equals_its_schedule(tmp_path):
+def test_a_replacement_joins_at_a_step_boundary_and_the_run_equals_its_schedule(tmp_path, chains):
     out = tmp_path / "grown.pt"
     flags = ("--recover", "in-memory", "--heartbeat-timeout", "2", "--max-restarts", "1")
     result = run_worker(
@@ -52,11 +53,9 @@ def test_a_replacement_joins_at_a_step_boundary_and_the_run_equals_its_schedule(
     assert grown["world_size"] == 3
     assert re.search(rf"replacement rank 3 admitted after step {at}; ranks 0,2,3 go on", err)
 
-    # The oracle chain with the same membership schedule.
-    first, second, last = (tmp_path / f"oracle{i}.pt" for i in range(3))
-    run_worker(3, first, *EPOCHS, "--stop-after", "2")
-    run_worker(2, second, *EPOCHS, "--resume", str(first), "--stop-after", str(at))
-    run_worker(3, last, *EPOCHS, "--resume", str(second))
+    # The oracle chain with the same membership schedule: 3 ranks to step 2, saved; 2 ranks
+    # resumed to the admission's step, saved; 3 ranks resumed to the end (one launch).
+    (last,) = chains.get(resumes(3, [(2, 2), (at, 3)], EPOCHS))
     assert_equal_runs(grown, torch.load(last, weights_only=True))
 
     pids = {int(p.read_text()) for p in tmp_path.glob("grown.pt.pid-*")}

@@ -23,17 +23,17 @@ recovery; 3 ranks, one lost, 2 go on):
 from __future__ import annotations
 
 import re
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.launching import final_checkpoint, run_job
+from tests.recovery.chains import TRAINER_WORKER, Chain, Chains, Segment
 
 pytestmark = [pytest.mark.launch, pytest.mark.xdist_group("recovery")]
 
-WORKER = "tests.recovery.trainer_worker"
+WORKER = TRAINER_WORKER
 
 
 def launch(nproc: int, run_dir: Path, *args: str, recover: bool = False, replacements: int = 0):
@@ -48,26 +48,23 @@ def launch(nproc: int, run_dir: Path, *args: str, recover: bool = False, replace
 final = final_checkpoint
 
 
-@pytest.fixture(scope="module")
-def half(tmp_path_factory) -> Path:
-    """3 ranks train to step 6 and save: the oracles' first half."""
-    run_dir = tmp_path_factory.mktemp("half")
-    launch(3, run_dir, "--max-steps", "6")
-    return run_dir
-
-
-def resumed(half: Path, where: Path, nproc: int, *args: str) -> dict:
-    """``half``'s run resumed at ``nproc`` ranks to the end (or as ``args`` say), in a copy at
-    ``where``; its final checkpoint."""
-    shutil.copytree(half, where)
-    launch(nproc, where, "--resume", *args)
-    return final(where)
+# 3 ranks train to step 6 and save: the oracles' first half.
+HALF = Segment(3, 6)
 
 
 @pytest.fixture(scope="module")
-def oracle(half, tmp_path_factory) -> dict:
+def oracles(chains: Chains) -> dict[int, dict]:
+    """By world size: the final checkpoint of :data:`HALF` resumed at 2 ranks (or 1) to the end
+    (one launch for both: :mod:`tests.recovery.chains`)."""
+    wanted = {n: Chain(TRAINER_WORKER, (HALF, Segment(n))) for n in (2, 1)}
+    ends = chains.get(*wanted.values())
+    return {n: final(end) for n, end in zip(wanted, ends, strict=True)}
+
+
+@pytest.fixture(scope="module")
+def oracle(oracles: dict[int, dict]) -> dict:
     """3 ranks train to step 6 and save; 2 ranks resume from it to the end."""
-    return resumed(half, tmp_path_factory.mktemp("oracle") / "run", 2)
+    return oracles[2]
 
 
 def assert_same_run(got: dict, expected: dict) -> None:
@@ -127,7 +124,7 @@ def test_a_survivor_whose_vote_failed_where_another_committed_takes_its_state(tm
 
 
 @pytest.mark.timeout(400)
-def test_a_second_loss_before_the_redo_commits_goes_back_to_the_same_step(tmp_path, half):
+def test_a_second_loss_before_the_redo_commits_goes_back_to_the_same_step(tmp_path, oracles):
     """Rank 1 is lost in step 7's forward; rank 2 is lost in the redo, before it commits: the
     second re-form goes back to step 6's committed state again (that of 3 ranks), and rank 0
     alone ends where 1 rank resumed from step 6 ends."""
@@ -140,7 +137,7 @@ def test_a_second_loss_before_the_redo_commits_goes_back_to_the_same_step(tmp_pa
     assert len(summary) == 2 and all("step 6 redone" in line for line in summary), summary
     got = final(tmp_path / "run")
     assert got["trainer"]["world_size"] == 1
-    assert_same_run(got, resumed(half, tmp_path / "oracle", 1))
+    assert_same_run(got, oracles[1])
 
 
 @pytest.mark.timeout(200)

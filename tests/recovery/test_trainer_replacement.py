@@ -35,8 +35,9 @@ import torch
 
 from tandem.train.loggers import JSONL_FILE, read_jsonl
 from tandem.train.step_log import TIMING_COLUMNS
+from tests.recovery.chains import TRAINER_WORKER, Chain, Segment
 from tests.recovery.test_recovery import leftovers
-from tests.recovery.test_trainer_recovery import assert_same_run, final, launch, resumed
+from tests.recovery.test_trainer_recovery import assert_same_run, final, launch
 
 pytestmark = [pytest.mark.launch, pytest.mark.xdist_group("recovery")]
 
@@ -53,7 +54,7 @@ def step_log(run_dir: Path) -> list[dict]:
 
 
 @pytest.mark.timeout(900)
-def test_a_trainer_admits_a_replacement_and_equals_the_chain_of_resumes(tmp_path):
+def test_a_trainer_admits_a_replacement_and_equals_the_chain_of_resumes(tmp_path, chains):
     grown, pids = tmp_path / "grown", tmp_path / "pids"
     pids.mkdir()
     result = launch(
@@ -72,16 +73,16 @@ def test_a_trainer_admits_a_replacement_and_equals_the_chain_of_resumes(tmp_path
     got = final(grown)
     assert got["trainer"]["world_size"] == 3 and 3 < at < got["trainer"]["step"], at
 
-    # The oracle chain with the same membership schedule: each link resumes a copy of the last.
-    first = tmp_path / "first"
-    launch(3, first, *EPOCHS, "--max-steps", "3")
-    resumed(first, tmp_path / "second", 2, *EPOCHS, "--max-steps", str(at))
-    expected = resumed(tmp_path / "second", tmp_path / "oracle", 3, *EPOCHS)
-    assert_same_run(got, expected)
-    assert step_log(grown) == step_log(tmp_path / "oracle")
-
-    mutant = resumed(tmp_path / "second", tmp_path / "mutant", 3, *EPOCHS, "--newcomer-seed-mutant")
-    assert any(not torch.equal(mutant["model"][k], v) for k, v in got["model"].items())
+    # The oracle chain with the same membership schedule: each link resumes a copy of the last;
+    # the mutant's last link seeds the newcomer's place otherwise (one launch for both).
+    links = (Segment(3, 3), Segment(2, at))
+    oracle = Chain(TRAINER_WORKER, (*links, Segment(3)), EPOCHS)
+    mutated = Chain(TRAINER_WORKER, (*links, Segment(3, None, ("--newcomer-seed-mutant",))), EPOCHS)
+    expected, mutant = chains.get(oracle, mutated)
+    assert_same_run(got, final(expected))
+    assert step_log(grown) == step_log(expected)
+    mutant_end = final(mutant)
+    assert any(not torch.equal(mutant_end["model"][k], v) for k, v in got["model"].items())
 
     started = {int(p.read_text()) for p in pids.iterdir()}
     assert sorted(p.name for p in pids.iterdir()) == ["0", "1", "2", "3"]
