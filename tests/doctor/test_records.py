@@ -180,3 +180,38 @@ def test_a_replacement_s_collectives_before_its_training_raise_naming_the_line()
         assert "test_records.py:" in text and "in <lambda>" in text, text
         assert f"leads to torch.distributed.{op} before its training started" in text, text
         assert "`if not tandem.recovery.replacing(): ...`" in text, text
+
+
+def _object_hand_over() -> dict:
+    """A hand-over (recovery's: torch's object collectives) that the member handing the run
+    over meets only long after: a failure set meanwhile must end the newcomer's wait."""
+    tandem.init(timeout=30)
+    mismatch.before_raise = None  # no doctor to wait for: this test fails the rank by hand
+    store = dist.distributed_c10d._get_default_store()
+    if dist.get_rank() == 1:  # hung: it sends the object's size only long after
+        time.sleep(4)
+        dist.broadcast(torch.zeros(1, dtype=torch.int64), src=1)  # meets rank 0's, still on
+        store.set("rank 1 done", "1")
+        return {}
+    threading.Timer(0.5, records.fail, args=("rank 1 is lost",)).start()
+    start = time.monotonic()
+    box: list = [None]
+    try:
+        dist.broadcast_object_list(box, src=1)  # a newcomer waiting for the run
+        error = None
+    except records.CollectiveMismatchError as e:
+        error = str(e)
+    after = time.monotonic() - start
+    store.wait(["rank 1 done"])
+    return {"error": error, "after": after}
+
+
+def test_torch_s_object_collectives_wait_in_slices_too():
+    """The records replace torch's collectives in its own module too, so the ones that torch's
+    object helpers make inside (recovery's hand-over: ``broadcast_object_list``,
+    ``all_gather_object``) wait in slices on Gloo: a failure set while a peer has not arrived
+    (recovery's heartbeat sets one for a member lost or hung) ends the wait within about a
+    slice, not at the group's timeout."""
+    newcomer, _ = run_ranks(_object_hand_over, 2, timeout=60)
+    assert newcomer["error"] is not None and "rank 1 is lost" in newcomer["error"], newcomer
+    assert newcomer["after"] < 2.5, newcomer  # told at 0.5 s; rank 1 arrives at 4 s
