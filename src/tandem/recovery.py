@@ -781,7 +781,7 @@ def commit_off_path(environ: Mapping[str, str] | None = None) -> bool:
     microseconds of work run beside the backward. With a core per rank or fewer the thread
     takes its CPU from the backward, which then ends later than doing the same work on the
     path: measured on a 2-core machine with 2 ranks, 1.045 against 0.991 of a plain step
-    (docs/guides/recovery.md). ``TANDEM_COMMIT_OFF_PATH=1`` (or ``0``) decides instead.
+    (docs/performance/recovery.md). ``TANDEM_COMMIT_OFF_PATH=1`` (or ``0``) decides instead.
 
     Example::
 
