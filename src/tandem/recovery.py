@@ -210,15 +210,8 @@ def newest_slot(slots: Sequence[Slot | None], key: CommitKey | int) -> int | Non
         0
     """
     target = commit_key(key)
-    best: int | None = None
-    for i, slot in enumerate(slots):
-        if (
-            slot is not None
-            and commit_key(slot[0]) <= target
-            and (best is None or commit_key(slot[0]) > _key_of(slots[best]))
-        ):
-            best = i
-    return best
+    readable = [i for i, slot in enumerate(slots) if slot is not None and _key_of(slot) <= target]
+    return max(readable, key=lambda i: _key_of(slots[i]), default=None)
 
 
 def _key_of(slot: Slot | None) -> CommitKey:
@@ -837,7 +830,7 @@ class _BucketVote:
     def __init__(self, recoverer: Recoverer) -> None:
         self.recoverer = recoverer
         self.own: Callable[[], str] = lambda: "1"
-        self.off_path = commit_off_path()
+        self.off_path = False  # Recoverer.attach decides (commit_off_path)
         self.step: int | None = None  # the step whose vote this backward carries
         self.published: str | None = None  # what own() gave at it
         self.passed_step: int | None = None  # the step whose vote passed here, not committed

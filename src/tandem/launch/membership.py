@@ -633,18 +633,13 @@ class ElasticInMemoryCoordinator(InMemoryCoordinator):
         self.node_rank = int(self.store.add(launcher_key("arrivals"), 1))
         self.store.set(node_key(self.node_rank, "joined"), "1")
         deadline = time.monotonic() + s.join_timeout
-        formed = launcher_key("formed")
-        while not self.store.check([formed]):
-            if self.store.check([launcher_key("closed")]):
-                raise JobEnded(_ended(self.store))
-            if time.monotonic() > deadline:
-                raise LaunchError(
-                    f"node 0 at {self.addr}:{self.port} formed no job within join_timeout="
-                    f"{s.join_timeout:g} s (--nnodes {s.min_nodes}:{s.max_nodes}: fewer than "
-                    "MIN nodes came?)"
-                )
-            time.sleep(_POLL_S)
-        self.nnodes = int(_text(self.store.get(formed)))
+        self.nnodes = self._formed_size(
+            deadline,
+            JobEnded,
+            f"node 0 at {self.addr}:{self.port} formed no job within join_timeout="
+            f"{s.join_timeout:g} s (--nnodes {s.min_nodes}:{s.max_nodes}: fewer than MIN nodes "
+            "came?)",
+        )
         key = launcher_key("restarts")
         if self.store.check([key]):
             self.job_restarts = int(_text(self.store.get(key)))
@@ -864,18 +859,34 @@ class ElasticInMemoryCoordinator(InMemoryCoordinator):
         gathered them (:meth:`_gather`); the job's end, if none came, raises
         :class:`LaunchError` with node 0's why."""
         deadline = time.monotonic() + self.settings.join_timeout + self.store_timeout
+        self.nnodes = self._formed_size(
+            deadline,
+            LaunchError,
+            f"node 0 at {self.addr}:{self.port} did not restart the job within "
+            f"join_timeout={self.settings.join_timeout:g} s",
+            beating=True,
+        )
+
+    def _formed_size(
+        self,
+        deadline: float,
+        ended: type[LaunchError],
+        late: str,
+        beating: bool = False,
+    ) -> int:
+        """The size node 0 wrote once the attempt formed (``formed``). Its ``closed`` key
+        raises ``ended`` with node 0's why; ``deadline`` passed raises :class:`LaunchError`
+        saying ``late``. ``beating``: this node beats meanwhile (it is one of the job's)."""
         formed = launcher_key("formed")
         while not self.store.check([formed]):
             if self.store.check([launcher_key("closed")]):
-                raise LaunchError(_ended(self.store))
+                raise ended(_ended(self.store))
             if time.monotonic() > deadline:
-                raise LaunchError(
-                    f"node 0 at {self.addr}:{self.port} did not restart the job within "
-                    f"join_timeout={self.settings.join_timeout:g} s"
-                )
-            self.beat()
+                raise LaunchError(late)
+            if beating:
+                self.beat()
             time.sleep(_POLL_S)
-        self.nnodes = int(_text(self.store.get(formed)))
+        return int(_text(self.store.get(formed)))
 
     def _told_the_end(self, restart: int) -> list[int]:
         if restart:  # the nodes waiting to join ask again at the restart's store
