@@ -155,10 +155,19 @@ else
 fi
 
 # --- daemons ---------------------------------------------------------------------------------
-alive() { [[ -s $1 ]] && kill -0 "$(cat "$1")" 2>/dev/null; }
+# A pid file outlives its daemon across a reboot (or a machine restored from a snapshot), and
+# its pid may by then belong to another process (a kernel worker, say): alive only if that pid
+# runs the daemon named.
+alive() {  # pidfile name
+    [[ -s $1 ]] || return 1
+    local pid comm
+    pid=$(cat "$1")
+    comm=$(cat "/proc/$pid/comm" 2>/dev/null) || return 1
+    [[ $comm == "$2" ]]
+}
 
 stop() {  # pidfile name
-    alive "$1" || return 0
+    alive "$1" "$2" || return 0
     local pid
     pid=$(cat "$1")
     kill "$pid"
@@ -174,13 +183,13 @@ if [[ $conf_changed -eq 1 ]]; then
     stop "$slurmd_pidfile" slurmd
     stop "$ctld_pidfile" slurmctld
 fi
-if alive "$ctld_pidfile"; then
+if alive "$ctld_pidfile" slurmctld; then
     log "slurmctld already running (pid $(cat "$ctld_pidfile"))"
 else
     slurmctld
     log "started slurmctld"
 fi
-if alive "$slurmd_pidfile"; then
+if alive "$slurmd_pidfile" slurmd; then
     log "slurmd already running (pid $(cat "$slurmd_pidfile"))"
 else
     slurmd
