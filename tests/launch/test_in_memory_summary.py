@@ -63,6 +63,30 @@ def test_each_loss_joined_with_its_report_in_order(tmp_path):
     ]
 
 
+def test_admissions_keep_their_place_and_one_cut_short_says_so(tmp_path):
+    """Generation 2 admits rank 3; rank 2 is lost in its hand-over, so generation 3 re-forms
+    with rank 3 still a newcomer (handed the run there); generation 4 admits rank 4. Each
+    admission is told in its generation's place, not after every loss."""
+    _write(tmp_path, "g1", generation=1, lost=[1], members=[0, 2], detected_s=0.1, step=3,
+           recovered_s=0.9)  # fmt: skip
+    _write(tmp_path, "g2", generation=2, lost=[], joined=[3], members=[0, 2, 3], step=5,
+           recovered_s=2.0)  # fmt: skip
+    _write(tmp_path, "g3", generation=3, lost=[2], joined=[3], members=[0, 3], detected_s=0.2,
+           step=5, recovered_s=1.8)  # fmt: skip
+    _write(tmp_path, "g4", generation=4, lost=[], joined=[4], members=[0, 3, 4], step=7,
+           recovered_s=0.5)  # fmt: skip
+    lost = [Failure(1, 1, "vm", -9, (), at=110.0), Failure(2, 2, "vm", -9, (), at=130.0)]
+    assert recovery_lines(lost, recovery_reports(tmp_path), started=100.0) == [
+        "recovery 1: rank 1 (killed by SIGKILL) lost at step 3; detected in 0.1 s; step 3 "
+        "redone by ranks 0,2 in 0.9 s",
+        "recovery 2: replacement rank 3 admitted after step 5; ranks 0,2,3 go on; cut short by "
+        "the loss of rank 2 before the run was handed over",
+        "recovery 3: rank 2 (killed by SIGKILL) lost at step 5; detected in 0.2 s; step 5 "
+        "redone by ranks 0,3 in 1.8 s (replacement rank 3 handed the run in it)",
+        "recovery 4: replacement rank 4 admitted after step 7; ranks 0,3,4 go on",
+    ]
+
+
 def test_one_generation_written_by_several_survivors_is_one_recovery(tmp_path):
     for rank, (detected, recovered) in enumerate([(0.2, 0.8), (0.4, 0.7)]):
         _write(tmp_path, f"g1-r{rank}", generation=1, lost=[2], members=[0, 1], step=3,

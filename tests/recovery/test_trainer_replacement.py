@@ -87,3 +87,51 @@ def test_a_trainer_admits_a_replacement_and_equals_the_chain_of_resumes(tmp_path
     started = {int(p.read_text()) for p in pids.iterdir()}
     assert sorted(p.name for p in pids.iterdir()) == ["0", "1", "2", "3"]
     assert not leftovers(started), leftovers(started)
+
+
+@pytest.mark.timeout(900)
+def test_a_member_lost_in_the_hand_over_re_forms_and_hands_the_run_to_the_replacement(
+    tmp_path, chains
+):
+    """Rank 1 is lost at step 3 and replaced by rank 3; as the members (ranks 0 and 2) hand it
+    the run after step J, rank 2 is SIGKILLed entering the hand-over. The newcomer's take-over
+    fails with the members' hand-over: it joins their re-form as a member that holds nothing,
+    and ranks 0 and 3 re-form, rank 0 handing rank 3 the run of step J's commit (rank 2's own
+    part with it: rank 3 takes its place) and both doing step J's boundary again. Rank 2's
+    replacement, rank 4, is admitted after step K. The run ends where "3 ranks to step 3, 2 to
+    J, 2 to K, 3 to the end" ends, bitwise; the job exits 0 with none of its 5 workers left."""
+    grown, pids = tmp_path / "grown", tmp_path / "pids"
+    pids.mkdir()
+    result = launch(
+        3, grown, *EPOCHS, "--kill", "1:3:forward", "--kill", "2:*:handover",
+        "--step-sleep", "0.5", "--pids", str(pids), recover=True, replacements=2,
+    )  # fmt: skip
+    err = result.stderr
+    assert re.search(r"recovery 1: rank 1 \(killed by SIGKILL\) lost at step 3;", err), err[-3000:]
+    assert "starting rank 3 to replace rank 1 (replacement 1 of 2)" in err, err[-3000:]
+    assert "starting rank 4 to replace rank 2 (replacement 2 of 2)" in err, err[-3000:]
+    # The admission's generation never committed; the re-form after it hands rank 3 the run.
+    told = re.search(
+        r"recovery 2: replacement rank 3 admitted after step (\d+); ranks 0,2,3 go on; cut short "
+        r"by the loss of rank 2 before the run was handed over\n.*"
+        r"recovery 3: rank 2 \(killed by SIGKILL\) lost at step (\d+); detected in [\d.]+ s; "
+        r"step \d+ redone by ranks 0,3 in [\d.]+ s \(replacement rank 3 handed the run in it\)\n.*"
+        r"recovery 4: replacement rank 4 admitted after step (\d+); ranks 0,3,4 go on",
+        err,
+    )
+    assert told, err[-3000:]
+    at, then = int(told.group(2)), int(told.group(3))
+    assert int(told.group(1)) == at, told.group(0)
+    got = final(grown)
+    assert got["trainer"]["world_size"] == 3 and 3 < at < then < got["trainer"]["step"], (at, then)
+
+    oracle = Chain(
+        TRAINER_WORKER, (Segment(3, 3), Segment(2, at), Segment(2, then), Segment(3)), EPOCHS
+    )
+    (expected,) = chains.get(oracle)
+    assert_same_run(got, final(expected))
+    assert step_log(grown) == step_log(expected)
+
+    started = {int(p.read_text()) for p in pids.iterdir()}
+    assert sorted(p.name for p in pids.iterdir()) == ["0", "1", "2", "3", "4"]
+    assert not leftovers(started), leftovers(started)

@@ -12,11 +12,12 @@ STEP``), WHERE = ``forward`` (SIGKILL in its training step, before the backward)
 (SIGKILL inside the optimizer step: after the step committed), ``save`` (SIGKILL while rank 0
 writes the checkpoint of step STEP), ``hang`` (SIGSTOP before the backward) or ``redo`` (SIGKILL
 in its training step once the world has shrunk: in the redo after another rank's loss, a second
-loss before that redo commits); ``--kill`` may be repeated. ``--split RANK:STEP`` makes launch
-rank RANK raise as if its commit's vote of optimizer step STEP had failed, right after it
-completed there (``tandem.recovery._after_vote``, inside the backward: the vote rides in the
-gradient all-reduce), its gradients spoilt as a broken ring leaves them: a vote split between
-the survivors.
+loss before that redo commits) or ``handover`` (SIGKILL as it enters the hand-over of the run to
+a replacement, at any step: STEP is ``*``); ``--kill`` may be repeated. ``--split RANK:STEP``
+makes launch rank RANK raise as if its commit's vote of optimizer step STEP had failed, right
+after it completed there (``tandem.recovery._after_vote``, inside the backward: the vote rides
+in the gradient all-reduce), its gradients spoilt as a broken ring leaves them: a vote split
+between the survivors.
 ``--max-steps K`` trains K steps and stops (the oracle's first half: it saves at the end);
 ``--resume`` continues from the latest checkpoint (the second half, at another world size).
 ``--epochs E``: the run's ``max_epochs`` (default 2).
@@ -37,6 +38,7 @@ import os
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -93,6 +95,7 @@ def main() -> None:
 
     tandem.recovery._after_vote = split
     at, where = mine[0] if mine else ("-1", "")
+    at = "-1" if at == "*" else at  # handover's: whichever step it comes at
     dies = bool(mine)
     size = int(os.environ["WORLD_SIZE"])
     # A replacement's WORLD_SIZE is not the job's: it joins a full world and never sleeps.
@@ -138,6 +141,14 @@ def main() -> None:
         resume="latest" if args.resume else None,
         progress=False,
     )
+    if dies and where == "handover":
+        hand_over = tandem.recovery.Recoverer.hand_over
+
+        def handing_over(self: tandem.recovery.Recoverer, *a: Any, **k: Any) -> Any:
+            os.kill(os.getpid(), signal.SIGKILL)
+            return hand_over(self, *a, **k)
+
+        tandem.recovery.Recoverer.hand_over = handing_over  # type: ignore[method-assign]
     if dies and where == "step":
 
         def die(optimizer: torch.optim.Optimizer, *_: object) -> None:

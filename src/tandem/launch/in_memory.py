@@ -990,12 +990,16 @@ def recovery_lines(
     by_rank = {f.rank: f for f in lost}
     told: set[int] = set()
     entries: list[tuple[float, int, str]] = []
+    reports = list(reports)
+    when = -math.inf
     for order, report in enumerate(reports):
         ranks = list(report["lost"])
         seen = [by_rank[r] for r in ranks if r in by_rank]
         told.update(r for r in ranks if r in by_rank)
-        when = min((f.at for f in seen), default=math.inf)
-        entries.append((when, order, _reported(ranks, by_rank, report)))
+        # An admission (no loss) keeps its generation's place: right after the one before.
+        when = min((f.at for f in seen), default=when)
+        after = reports[order + 1] if order + 1 < len(reports) else None
+        entries.append((when, order, _reported(ranks, by_rank, report, after)))
     for failure in lost:
         if failure.rank not in told:
             how = failure.cause or describe_exit(failure.returncode, likely=False)
@@ -1011,15 +1015,30 @@ def recovery_lines(
     return [f"recovery {i}: {text}" for i, (_, _, text) in enumerate(entries, first)]
 
 
-def _reported(ranks: list[int], by_rank: Mapping[int, Failure], report: dict[str, Any]) -> str:
-    """One recovery a survivors' report describes, as its summary line says it."""
+def _reported(
+    ranks: list[int],
+    by_rank: Mapping[int, Failure],
+    report: dict[str, Any],
+    after: dict[str, Any] | None = None,
+) -> str:
+    """One recovery a survivors' report describes, as its summary line says it; ``after``:
+    the next generation's report (an admission a loss cut short is followed by a re-form whose
+    newcomers, those that hold no run yet, are still its replacements)."""
     joined = [str(r) for r in report.get("joined") or []]
     if joined and not ranks:  # a replacement admitted (tandem.recovery's grow)
         going_on = ",".join(str(r) for r in report.get("members") or [])
-        return (
+        text = (
             f"replacement rank{'s' if len(joined) > 1 else ''} {', '.join(joined)} admitted "
             f"after step {report.get('step')}; ranks {going_on} go on"
         )
+        again = [str(r) for r in (after or {}).get("joined") or []]
+        cut = [str(r) for r in (after or {}).get("lost") or []]
+        if cut and set(joined) & set(again):
+            text += (
+                f"; cut short by the loss of rank{'s' if len(cut) > 1 else ''} {', '.join(cut)}"
+                " before the run was handed over"
+            )
+        return text
     hows = [
         f"{r} ({by_rank[r].cause or describe_exit(by_rank[r].returncode, likely=False)})"
         if r in by_rank
@@ -1039,6 +1058,11 @@ def _reported(ranks: list[int], by_rank: Mapping[int, Failure], report: dict[str
         text += f"; step {step} redone{by} in {recovered:.1f} s"
     else:
         text += f"; no step committed after it{by}"
+    if joined:  # replacements whose admission a loss cut short, handed the run in this one
+        text += (
+            f" (replacement rank{'s' if len(joined) > 1 else ''} {', '.join(joined)} handed the "
+            "run in it)"
+        )
     return text
 
 

@@ -47,6 +47,14 @@ larger world size runs (the newcomer's generators are seeded as such a resume se
 checkpoint had not), and the new generation's start is committed. So the run ends bitwise where
 the chain of saves and resumes with the same membership schedule ends.
 
+A member lost during an admission makes it a re-form, as any loss does. A newcomer that has not
+taken the run yet joins it as a member that holds nothing (its take-over failing, or its
+admitting generation failing to form): after the re-form the members build anew what depends
+on the world, and rank 0 hands the newcomers what a checkpoint of the last committed step holds
+(the kept shared state, the optimizer's, every old member's own part from the store). The
+generation's start is committed, and where the members do that step's boundary again, the
+newcomers do it with them (:meth:`InMemory.start` tells ``train()``).
+
 A set-up whose state is sharded across ranks (tandem.FullyShardedDataParallel, a
 ShardedOptimizer) or that the Trainer did not wrap itself is not recovered in memory: the
 Trainer says so at its start, and a lost rank then ends the job as under ``--recover restart``.
@@ -144,6 +152,9 @@ class InMemory:
         self.refused: str | None = None
         self.growing = 0  # replacements the last commit's vote admits (queued up to)
         self._reformed = False  # an admission became a re-form: recover() finds it made
+        # A newcomer handed the run within a re-form: train() first redoes the boundary of the
+        # step the members go back to, as they do (their recover() says so).
+        self._redo = False
         self.rng = RngText()  # this rank's generators as the commit leaves them in the store
         # The step's micro-batch whose backward carries the vote: its loss, count and tokens;
         # and the loss sums own() left in the store at the vote.
@@ -177,14 +188,18 @@ class InMemory:
     def active(self) -> bool:
         return self.recoverer is not None
 
-    def start(self, trainer: Trainer) -> None:
-        """``train()`` starts: the state it starts from is the first one kept and committed
-        (a member lost in the first step goes back to it)."""
+    def start(self, trainer: Trainer) -> bool:
+        """``train()`` starts (or a generation with newcomers does): the state it starts from
+        is the first one kept and committed (a member lost in the first step goes back to
+        it). Whether the boundary of the last step is to be done (again) first: True only
+        where the run was handed over within a re-form that redoes it."""
         if self.recoverer is None:
-            return
+            return False
+        redo, self._redo = self._redo, False
         self.keep(trainer)
-        self.after_step = False
+        self.after_step = redo
         self.commit(trainer, trainer.state.step)
+        return redo
 
     def attach(self, trainer: Trainer) -> None:
         """Let the commit's vote ride in the engine's gradient all-reduce (again after the
@@ -263,58 +278,88 @@ class InMemory:
         return self.recoverer.lost(error)
 
     def recover(self, trainer: Trainer) -> bool:
-        """Go on among the survivors from the last committed step (see the module doc);
-        whether that step's boundary is to be done (again): False at ``train()``'s start.
+        """Go on among the survivors from the last committed step (see the module doc), and
+        hand the run to the newcomers the new generation holds (replacements whose admission
+        a loss cut short, before they had the run: this rank may be one); whether that step's
+        boundary is to be done (again): False at ``train()``'s start. A member lost meanwhile
+        re-forms again.
 
         Raises:
             MembershipError: this rank cannot go on (:mod:`tandem.recovery`).
         """
         assert self.recoverer is not None and self.recoverer.members is not None
-        assert self.kept is not None
         self.growing = 0  # the queue stays: the new generation's next commit names it again
-
-        ahead = partial(self._ahead, trainer)
-        recoverer = self.recoverer
-        while not self._reformed:
+        while True:
+            failed = False
             try:
-                recoverer.reform(trainer.state.step, trainer._release_world, ahead)
+                return self._recover(trainer)
+            except MembershipError:
+                raise
+            except Exception as error:  # a member lost before the new generation committed
+                if not self.lost(error):
+                    raise
+                failed = True
+            # Outside the except block: the failed collective's frames are gone first.
+            if failed:
+                self._reformed = False
+
+    def _recover(self, trainer: Trainer) -> bool:
+        recoverer = self.recoverer
+        assert recoverer is not None
+        while not self._reformed:
+            failed = False
+            try:
+                # The step it goes back to: an admission cut short has built the run state anew.
+                step = trainer.state.step if self.kept is None else self.kept["trainer"]["step"]
+                recoverer.reform(step, trainer._release_world, partial(self._ahead, trainer))
                 self._reformed = True
             except MembershipError:
                 raise
             except Exception as error:  # a member lost before the new group formed: again
                 if not recoverer.lost(error):
                     raise
-        self._reformed = False
+                failed = True
+            if failed:
+                continue
         members = recoverer.members
         assert members is not None
-        if members.newcomers:
-            # A replacement whose admission failed before it had the run: the Trainer does not
-            # hand it the run within a re-form (tandem.recovery.Run does).
-            raise MembershipError(
-                f"replacement rank(s) {members.newcomers} lost their admission to a "
-                "loss before they had the run, and a Trainer does not hand it to them within a "
-                "re-form yet: the job stops here (resume it from its last checkpoint)"
-            )
+        if members.me in members.newcomers:  # one that holds nothing yet: it is handed the run
+            self._take_over(trainer, reformed=True)
+            self._reformed = False
+            return self.start(trainer)
         if recoverer.behind:  # its vote completed on others, not here: the step is theirs
             caught_up = recoverer.caught_up
             trainer.engine.module.load_state_dict(caught_up["model"])
             trainer.optimizer.load_state_dict(caught_up["optimizer"])
             self.kept, self.after_step = caught_up["kept"], caught_up["after_step"]
-        states = []
-        for value in recoverer.committed_states():
-            rng, _, rest = value.partition("\n")
-            state = json.loads(rest)
-            state["rng"] = expand_rng_state(decode(rng))
-            states.append(state)
-        assert self.kept is not None
-        step = self.kept["trainer"]["step"]
-        # The step's log record is written again where its boundary is done again.
+        texts = recoverer.committed_states()
+        kept = self.kept
+        assert kept is not None
+        step = kept["trainer"]["step"]
+        # The step's log record is written again where its boundary is done again. Its
+        # collectives are a newcomer's constructor's, which the newcomers within it meet.
         trainer._build_world(log_from=max(step - 1, 0) if self.after_step else step)
         self.attach(trainer)
-        _load(trainer, self.kept, states)
+        if members.newcomers:
+            # The checkpoint a resume here would read: the kept shared state, the optimizer's,
+            # every old member's own part, and whether the boundary is done again.
+            handed = {
+                **kept,
+                "optimizer": trainer.optimizer.state_dict(),
+                "owns": texts,
+                "after_step": self.after_step,
+            }
+            recoverer.hand_over(handed)
+        _load(trainer, kept, _own_states(texts))
         trainer.state.restore_rng()
         self.rng.forget()
-        return self.after_step
+        self._reformed = False
+        if not members.newcomers:
+            return self.after_step
+        # With newcomers, the new generation's start is committed, as an admission's is (they
+        # commit it as their train() starts); a loss before it goes back to the same commit.
+        self._redo = self.after_step
+        return self.start(trainer)
 
     def _ahead(self, trainer: Trainer) -> dict[str, Any]:
         """What a member behind the step this one committed needs of it: the state that step
@@ -341,7 +386,12 @@ class InMemory:
             assert self.recoverer is not None
             step = trainer.state.step
             # Taken before the group changes: nothing the rebuilding draws or adds counts.
-            shared = {**_shared_state(trainer), "optimizer": trainer.optimizer.state_dict()}
+            shared = {
+                **_shared_state(trainer),
+                "optimizer": trainer.optimizer.state_dict(),
+                "owns": None,  # every member's, as the hand-over gathers them
+                "after_step": False,  # this boundary is done
+            }
             own = _saved_run(trainer).rank_state_dict()
             recoverer, members = self.recoverer, self.recoverer.members
             assert members is not None
@@ -368,24 +418,62 @@ class InMemory:
             self.rng.forget()
             self.start(trainer)  # sets growing anew
 
-    def _take_over(self, trainer: Trainer) -> None:
-        """A replacement, admitted (its constructor made the members' collectives): take the
-        run from them. Its generators are restored where a resumed run's are, as
-        ``train()`` starts: a rank the members' run had not is seeded as a resume seeds it."""
-        assert self.recoverer is not None and self.recoverer.members is not None
-        try:
-            shared, owns = self.recoverer.hand_over(None)
-        except Exception as error:
-            # tandem.recovery.Run's replacement joins the members' re-form and is handed the
-            # run again; a Trainer's is not yet: it stops, and the launcher counts it lost.
-            raise RuntimeError(
-                f"replacement rank {self.recoverer.members.me}: the hand-over of the run failed "
-                f"({str(error).splitlines()[0] if str(error) else type(error).__name__}): a "
-                "member was lost while this replacement took over, and a Trainer's replacement "
-                "stops here (the members go on without it)"
-            ) from error
-        trainer.optimizer.load_state_dict(shared["optimizer"])
-        _load(trainer, shared, [state for state in owns if state is not None])
+    def _take_over(self, trainer: Trainer, reformed: bool = False) -> None:
+        """A replacement, admitted (its constructor made the members' collectives; or
+        ``reformed``: the group was re-formed with it still holding nothing): take the run from
+        them. A member lost meanwhile makes it join the members' re-form as one that holds
+        nothing, and take the run there. Its generators are restored where a resumed run's
+        are, as ``train()`` starts: a rank the members' run had not is seeded as a resume
+        seeds it.
+
+        Raises:
+            MembershipError: this rank cannot go on (:mod:`tandem.recovery`).
+        """
+        recoverer = self.recoverer
+        assert recoverer is not None and recoverer.members is not None
+        while True:
+            failed = False
+            try:
+                if reformed:
+                    # The members' collectives after their re-form (_recover), in their order.
+                    trainer._build_world(log_from=trainer.state.step)
+                    self.attach(trainer)
+                handed, owns = recoverer.hand_over(None)
+            except MembershipError:
+                raise
+            except Exception as error:
+                if not recoverer.lost(error):
+                    raise
+                failed = True
+            # Outside the except block: the failed collective's frames are gone first.
+            if not failed:
+                break
+            self._rejoin(trainer)
+            reformed = True
+        trainer.optimizer.load_state_dict(handed["optimizer"])
+        if handed["owns"] is None:  # an admission: every member's part, gathered
+            states = [state for state in owns if state is not None]
+        else:  # within a re-form: the parts of the last commit's members
+            states = _own_states(handed["owns"])
+        _load(trainer, handed, states)
+        self._redo = handed["after_step"]
+
+    def _rejoin(self, trainer: Trainer) -> None:
+        """A newcomer whose take-over a loss cut short: join the members' re-form."""
+        recoverer = self.recoverer
+        assert recoverer is not None
+        while True:
+            failed = False
+            try:
+                recoverer.reform(trainer.state.step, trainer._release_world)
+            except MembershipError:
+                raise
+            except Exception as error:  # a member lost before the new group formed: again
+                if not recoverer.lost(error):
+                    raise
+                failed = True
+            if not failed:
+                return
 
     def committed(self) -> None:
         if self.recoverer is not None:
@@ -432,6 +520,17 @@ def _load(trainer: Trainer, shared: dict[str, Any], states: list[dict[str, Any]]
     if trainer._scaler_state is not None:
         trainer._scaler_state.load_state_dict(shared["scaler"])
     trainer.optimizer.zero_grad()  # what a failed step's backward left
+
+
+def _own_states(texts: list[str]) -> list[dict[str, Any]]:
+    """The last commit's own parts as the store holds them (:func:`_own_text`), loaded."""
+    states = []
+    for value in texts:
+        rng, _, rest = value.partition("\n")
+        state = json.loads(rest)
+        state["rng"] = expand_rng_state(decode(rng))
+        states.append(state)
+    return states
 
 
 def _loss_sums(trainer_or_run: Any, window: Any = None) -> list[Any]:

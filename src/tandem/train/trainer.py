@@ -444,14 +444,27 @@ class Trainer:
         run.start_session()
         run.requests.discard()  # one an earlier train() sent before it raised
         records.training_started()  # a replacement makes the members' collectives from here
-        self._in_memory.start(self)
         stopped: Decision | None = None
-        redo = False
+        redo, lost = False, False
+        try:
+            # True for a replacement handed the run within a re-form: the boundary of the step
+            # the members went back to comes first, as theirs does.
+            redo = self._in_memory.start(self)
+        except MembershipError:
+            raise
+        except Exception as error:  # a replacement's start: a member lost before it committed
+            if not self._in_memory.lost(error):
+                raise
+            lost = True
+        if lost:
+            redo = self._in_memory.recover(self)
+            run = self.state
         with run.requests.signals():
             while not plan.finished(epoch=run.epoch, step=run.step) and stopped is None:
                 lost = False
                 try:
-                    self._in_memory.admit(self)  # replacements the last commit let in, if any
+                    if not redo:  # after the boundary redone: _run_epoch returns for them
+                        self._in_memory.admit(self)  # replacements the last commit let in
                     stopped = self._run_epoch(plan, redo_boundary=redo)
                 except MembershipError:
                     raise
