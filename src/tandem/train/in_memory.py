@@ -306,21 +306,11 @@ class InMemory:
     def _recover(self, trainer: Trainer) -> bool:
         recoverer = self.recoverer
         assert recoverer is not None
-        while not self._reformed:
-            failed = False
-            try:
-                # The step it goes back to: an admission cut short has built the run state anew.
-                step = trainer.state.step if self.kept is None else self.kept["trainer"]["step"]
-                recoverer.reform(step, trainer._release_world, partial(self._ahead, trainer))
-                self._reformed = True
-            except MembershipError:
-                raise
-            except Exception as error:  # a member lost before the new group formed: again
-                if not recoverer.lost(error):
-                    raise
-                failed = True
-            if failed:
-                continue
+        if not self._reformed:
+            # The step it goes back to: an admission cut short has built the run state anew.
+            step = trainer.state.step if self.kept is None else self.kept["trainer"]["step"]
+            self._reform(trainer, step, partial(self._ahead, trainer))
+            self._reformed = True
         members = recoverer.members
         assert members is not None
         if members.me in members.newcomers:  # one that holds nothing yet: it is handed the run
@@ -448,7 +438,7 @@ class InMemory:
             # Outside the except block: the failed collective's frames are gone first.
             if not failed:
                 break
-            self._rejoin(trainer)
+            self._reform(trainer, trainer.state.step)
             reformed = True
         trainer.optimizer.load_state_dict(handed["optimizer"])
         if handed["owns"] is None:  # an admission: every member's part, gathered
@@ -458,14 +448,16 @@ class InMemory:
         _load(trainer, handed, states)
         self._redo = handed["after_step"]
 
-    def _rejoin(self, trainer: Trainer) -> None:
-        """A newcomer whose take-over a loss cut short: join the members' re-form."""
+    def _reform(self, trainer: Trainer, step: int, ahead: Any = None) -> None:
+        """Re-form the group (:meth:`tandem.recovery.Recoverer.reform`), again while a member is
+        lost before it formed; a newcomer whose take-over a loss cut short joins the members'
+        re-form so, holding nothing (``ahead`` None)."""
         recoverer = self.recoverer
         assert recoverer is not None
         while True:
             failed = False
             try:
-                recoverer.reform(trainer.state.step, trainer._release_world)
+                recoverer.reform(step, trainer._release_world, ahead)
             except MembershipError:
                 raise
             except Exception as error:  # a member lost before the new group formed: again
