@@ -66,7 +66,9 @@ way whatever brought the members to it:
    next commit's vote. Every member writes each newcomer's admission, the same text.
 7. Before anyone forms the group, every member says it is here (:func:`tandem.job.join.meet`):
    a member lost since the decision is noticed there, in store calls that return, and the
-   survivors decide ``g + 2``. Then the group forms, a member behind rolls forward (4.), the
+   survivors decide ``g + 2``. Then the group forms, within :func:`formation_timeout` (one
+   lost in between stops it there: the survivors decide ``g + 2``, whose record counts the
+   losses of ``g + 1``), a member behind rolls forward (4.), the
    first member that holds the run hands it to the newcomers (:meth:`Recoverer.hand_over`),
    every rank starts its generators where a resume at the new size from the last commit starts
    them (new rank r continues rank r's of that commit; a rank beyond them is seeded by
@@ -131,6 +133,7 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.distributed_c10d import _set_pg_timeout
 from torch.utils.data import Dataset
 from torch.utils.data._utils.collate import default_collate
 
@@ -948,6 +951,8 @@ class Recoverer:
         self._heartbeat: _Heartbeat | None = None
         self.recoveries: list[Recovery] = []
         self._pending: list[Recovery] = []  # re-formed, the redo not committed yet
+        # A generation decided whose group did not form: its losses, detection time and start.
+        self._unformed: tuple[list[int], float | None, float] | None = None
         # The last commit: its step and members (whose states a recovery loads).
         self.last_commit: tuple[int, list[int]] | None = None
         self.voting: int | None = None  # the step of the vote this rank entered last
@@ -1324,11 +1329,29 @@ class Recoverer:
         since = [float(dead[r]["at"]) if r in dead else beats.get(r) for r in lost]
         known = [s for s in since if s is not None]
         detected = now - max(known) if known else None
-        g = self._form_group(release)
+        if self._unformed is not None:
+            # The last generation decided never formed (a member lost meanwhile): its losses,
+            # detection and start are this one's.
+            before, detected, noticed = self._unformed
+            lost = [*before, *lost]
+        try:
+            g = self._form_group(release)
+        except _Lost:
+            self._unformed = (lost, detected, noticed)
+            raise
+        self._unformed = None
         self.behind, self.caught_up = self._roll_forward(ahead)
         if self.behind:
             step += 1  # the others committed the step this rank was in: the redo is the next
         newcomers = list(self.members.newcomers)
+        if not lost and not newcomers:
+            # The last group did not form (a member slow to): the same members formed it
+            # again. No recovery of its own: the one whose redo it delays, if any, counts it.
+            log.warning(
+                "formed generation %d's group again with the same members, at step %d",
+                g, step,
+            )  # fmt: skip
+            return old_members
         self._pending.append(  # after another one whose redo this loss cut short
             Recovery(
                 generation=g,
@@ -1340,7 +1363,7 @@ class Recoverer:
                 started=noticed,
             )
         )
-        if lost or not newcomers:
+        if lost:
             log.warning(
                 "lost rank(s) %s at step %d: going on as rank %d of %d",
                 lost, step, self.members.rank, self.members.world_size,
@@ -1408,16 +1431,6 @@ class Recoverer:
         members = self.members
         assert members is not None
         g = members.generation
-        # Every member says it is here first: one lost since the decision is noticed in
-        # store calls that return (a re-form follows), not by the group's formation, which
-        # would wait for it to the group's timeout.
-        with self._reachable():
-            gone = join.meet(
-                members.store, members.key(f"gen{g}", ""), members.me, members.members,
-                members.gone, timeout_s=max(60.0, 6 * members.heartbeat_timeout),
-            )  # fmt: skip
-        if gone:
-            raise _Lost(f"rank(s) {sorted(gone)} of generation {g} left before its group formed")
         # The backend of the group being left: none is left when a formation failed before.
         backend = dist.get_backend() if dist.is_initialized() else self._backend
         self._backend = backend
@@ -1425,13 +1438,34 @@ class Recoverer:
         records.clear()
         _abandon_group()
         gc.collect()
-        dist.init_process_group(
-            backend,
-            store=dist.PrefixStore(members.key(f"gen{g}", "pg") + "/", _job_store()),
-            rank=members.rank,
-            world_size=members.world_size,
-            timeout=timedelta(seconds=max(60.0, 6 * members.heartbeat_timeout)),
-        )
+        # Every member says it is here first, right before the formation: one lost since the
+        # decision is noticed in store calls that return (a re-form follows).
+        with self._reachable():
+            gone = join.meet(
+                members.store, members.key(f"gen{g}", ""), members.me, members.members,
+                members.gone, timeout_s=max(60.0, 6 * members.heartbeat_timeout),
+            )  # fmt: skip
+        if gone:
+            raise _Lost(f"rank(s) {sorted(gone)} of generation {g} left before its group formed")
+        # One lost between its word and its part of the formation leaves the others waiting
+        # for its address or its connections: bounded by the formation's own timeout, not by
+        # the collectives' (set once formed), and a re-form follows. A member merely slow
+        # to form makes that re-form keep every member.
+        formation = formation_timeout(members.heartbeat_timeout)
+        try:
+            dist.init_process_group(
+                backend,
+                store=dist.PrefixStore(members.key(f"gen{g}", "pg") + "/", _job_store()),
+                rank=members.rank,
+                world_size=members.world_size,
+                timeout=timedelta(seconds=formation),
+            )
+        except dist.DistError as error:
+            raise _Lost(
+                f"the group of generation {g} ({members.members}) did not form within "
+                f"{formation:g} s ({str(error).splitlines()[0] if str(error) else error!r})"
+            ) from error
+        _set_pg_timeout(timedelta(seconds=max(60.0, 6 * members.heartbeat_timeout)))
         reformed(members.rank, members.world_size)
         return g
 
@@ -1909,6 +1943,19 @@ def _abandon_group() -> None:
         _groups_reaper.keep(groups)
     else:
         _groups_reaper.reap(groups)  # takes the last references: none may stay in this frame
+
+
+def formation_timeout(heartbeat_timeout: float) -> float:
+    """Seconds a generation's group may take to form (every member's address and connections)
+    before the members re-form: twice the heartbeat timeout, 5 s at least. The group's
+    collectives wait longer (six heartbeat timeouts, 60 s at least: a slow step is no loss).
+
+    Example::
+
+        >>> formation_timeout(2.0), formation_timeout(10.0)
+        (5.0, 20.0)
+    """
+    return max(5.0, 2 * heartbeat_timeout)
 
 
 def _job_store(timeout: float = 60.0) -> dist.Store:

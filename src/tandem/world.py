@@ -170,7 +170,7 @@ def init(
         _current = _join(me, placement, device, backend, delta, meeting_s)
         _owns_group = True
         records.clear()
-        records.replacement_admitted(_current.rank)
+        records.replacement_admitted(me)  # as the launcher names it (its launch rank)
         doctor.start()
         return _current
     if placement.world_size == 1 and init_method is None and backend != "mpi":

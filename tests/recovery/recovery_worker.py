@@ -25,6 +25,9 @@ STEP, WHERE =
   run: a member about to hand it, or a replacement about to take it); STEP is the run's step
   count then, or ``*`` for the first hand-over it takes part in (a replacement's count is 0
   until it has the run).
+- ``form``: SIGKILL right after it said it is here to form a re-formed generation's group
+  (``tandem.job.join.meet`` returned), before its part of the formation: the others, past
+  their own word, wait in the formation for its address.
 
 ``--split RANK:STEP`` (repeatable) makes launch rank RANK raise as if its vote on step STEP had
 failed, right after it completed there (``tandem.recovery._after_vote``): the vote then
@@ -34,6 +37,9 @@ sum a failed ring leaves partial, so a rank that went on with its own gradients 
 elsewhere. It writes ``OUT.split-RANK`` (JSON: step) as it raises. A new generation's start
 commit votes on the step it starts from again (STEP is then the last step committed), a
 replacement's in its take-over, inside its ``Run`` constructor.
+
+``--replacement-barrier`` makes a replacement call ``dist.barrier()`` before it makes its
+``Run`` (a script's own collective before training, which the members are past).
 
 ``--no-backward STEP`` (repeatable) makes every rank's step STEP a forward without a backward
 (under ``torch.no_grad``: no DDP backward, so the commit votes in a collective of its own).
@@ -89,7 +95,7 @@ import tandem.recovery
 from tandem.checkpoint.rng import capture_rng_state, restore_rng_state, seed_rng
 from tandem.recovery import Run, newcomer_seed
 
-WHERES = ("forward", "backward", "voted", "commit", "step", "hang", "handover")
+WHERES = ("forward", "backward", "voted", "commit", "step", "hang", "handover", "form")
 ANY = -1  # a --kill STEP of ``*``: the first time this rank gets there
 
 
@@ -126,6 +132,7 @@ def main() -> None:
     parser.add_argument("--bucket-cap-mb", type=float, default=None)
     parser.add_argument("--step-sleep", type=float, default=0.0)
     parser.add_argument("--no-backward", type=int, action="append", default=[])
+    parser.add_argument("--replacement-barrier", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
     faulthandler.register(signal.SIGUSR1, all_threads=True)
@@ -157,6 +164,14 @@ def main() -> None:
         return hand_over(self, *a, **k)
 
     tandem.recovery.Recoverer.hand_over = handing_over
+    meet = tandem.job.join.meet
+
+    def meeting(*a: Any, **k: Any) -> set[int]:
+        gone = meet(*a, **k)
+        lose("form")
+        return gone
+
+    tandem.job.join.meet = meeting
     splits = {step for rank, step in args.split if rank == me}
 
     def after_vote(step: int) -> None:
@@ -175,6 +190,8 @@ def main() -> None:
     # Before the run is made: a replacement votes in its constructor (its take-over).
     tandem.recovery._after_vote = after_vote
     read_late(args.out, me, args.late_read)
+    if args.replacement_barrier and tandem.recovery.replacing():
+        dist.barrier()  # the script's own collective before training: refused on a replacement
     run = Run(net, opt, data(), batch_size=4, epochs=args.epochs, seed=3, ddp_kwargs=ddp_kwargs)
     made.append(run)
     if args.resume:

@@ -74,6 +74,10 @@ class Case:
     extra: tuple[str, ...] = ()  # more worker arguments, the oracle's too
     how: str = "killed by SIGKILL"
     splits: tuple[str, ...] = ()  # the worker's --split RANK:STEP (a vote split by force)
+    # Generations decided whose group never formed before the first recovery recorded (each
+    # recovery's generation number counts them), and the seconds a recovery may take.
+    unformed: int = 0
+    limit: float | None = None
 
     @property
     def victims(self) -> list[int]:
@@ -139,6 +143,15 @@ CASES = [
     pytest.param(
         Case(4, ("1:2:forward", "3:2:commit"), (((1,), 2), ((3,), 3))),
         id="4-1-forward+3-commit",
+    ),
+    # Lost in the formation: rank 1 is lost before its backward at step 2, and rank 2 as the
+    # survivors form generation 1's group, right after it said it was here: the others wait
+    # in the formation for its address, give up at the formation's timeout (5 s: twice the
+    # heartbeat timeout; the collectives' 60 s before), and re-form without it. Generation 1
+    # never formed; generation 2's record counts both losses.
+    pytest.param(
+        Case(4, ("1:2:forward", "2:2:form"), (((1, 2), 2),), unformed=1, limit=5 + 3),
+        id="4-1-forward+2-lost-in-the-formation",
     ),
     # First step: the generators are those published at the start, the buckets not rebuilt.
     pytest.param(Case(4, ("2:0:forward",), (((2,), 0),)), id="4-2-forward-first-step"),
@@ -267,6 +280,8 @@ def test_a_lost_rank_costs_one_step_and_the_run_equals_a_resume(tmp_path, oracle
         assert (told["where"], told["step"]) == (where, int(step)), told
         before = next(i for i, (gone, _) in enumerate(case.recoveries) if int(victim) in gone)
         lost_before = sum(len(gone) for gone, _ in case.recoveries[:before])
+        if where == "form":  # in the generation decided without the rank lost before it
+            lost_before += 1
         assert told["world_size"] == case.nproc - lost_before, told  # the group it died in
         if where == "backward":  # mid-bucket: some gradient all-reduces launched, not all
             assert 0 < told["launched"] < told["buckets"], told
@@ -275,8 +290,9 @@ def test_a_lost_rank_costs_one_step_and_the_run_equals_a_resume(tmp_path, oracle
     members = list(range(case.nproc))
     assert len(recovered["recoveries"]) == len(case.recoveries), recovered["recoveries"]
     limit = 5 if case.how == "hung or cut off" else 3  # the issue's targets, detection included
+    limit = case.limit or limit
     for generation, (recovery, (gone, step)) in enumerate(
-        zip(recovered["recoveries"], case.recoveries, strict=True), 1
+        zip(recovered["recoveries"], case.recoveries, strict=True), 1 + case.unformed
     ):
         members = [r for r in members if r not in gone]
         assert recovery["lost"] == list(gone) and recovery["members"] == members, recovery

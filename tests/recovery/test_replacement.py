@@ -60,3 +60,47 @@ def test_a_replacement_joins_at_a_step_boundary_and_the_run_equals_its_schedule(
 
     pids = {int(p.read_text()) for p in tmp_path.glob("grown.pt.pid-*")}
     assert len(pids) == 4 and not leftovers(pids), leftovers(pids)
+
+
+@pytest.mark.timeout(600)
+def test_a_replacement_whose_script_makes_a_collective_before_training_is_refused(tmp_path, chains):
+    """The replacement's script calls ``dist.barrier()`` before its ``Run`` (the members are past
+    that part of the script): it raises ``ReplacementCollectiveError`` naming the line, rather
+    than hang or meet the members' own collectives. The members meet its exit in the admission
+    (a loss like any: they re-form without it and go on), the launcher starts the second
+    replacement, which fails the same way, and with ``--max-restarts 2`` spent the two members
+    finish the run: bitwise where "3 ranks to step 2, 2 to the end" ends with a new group at each
+    admission's step (a new tandem.DDP there), and the job exits 0 with nothing left."""
+    out = tmp_path / "refused.pt"
+    flags = ("--recover", "in-memory", "--heartbeat-timeout", "2", "--max-restarts", "2")
+    result = run_worker(
+        3, out, *EPOCHS, "--kill", "1:2:forward", "--step-sleep", "0.15",
+        "--replacement-barrier", flags=flags,
+    )  # fmt: skip
+    err = result.stderr
+    for newcomer, replaced, n in ((3, 1, 1), (4, 3, 2)):
+        assert f"starting rank {newcomer} to replace rank {replaced} (replacement {n} of 2)" in err
+        refused = re.search(
+            rf"ReplacementCollectiveError: rank {newcomer} is a replacement .* "
+            r"recovery_worker\.py:\d+ in main leads to torch\.distributed\.barrier",
+            err,
+        )
+        assert refused, err[-4000:]
+    run = torch.load(out, weights_only=True)
+    records = [(r["lost"], r["joined"], r["members"]) for r in run["recoveries"]]
+    assert records == [
+        ([1], [], [0, 2]),
+        ([], [3], [0, 2, 3]),
+        ([3], [], [0, 2]),  # refused: lost in its admission, the members go on
+        ([], [4], [0, 2, 4]),
+        ([4], [], [0, 2]),
+    ], run["recoveries"]
+    steps = [r["step"] for r in run["recoveries"]]
+    first, second = steps[1], steps[3]
+    assert steps == [2, first, first, second, second] and 2 < first < second < run["steps"]
+    assert run["world_size"] == 2
+
+    (last,) = chains.get(resumes(3, [(2, 2), (first, 2), (second, 2)], EPOCHS))
+    assert_equal_runs(run, torch.load(last, weights_only=True))
+    pids = {int(p.read_text()) for p in tmp_path.glob("refused.pt.pid-*")}
+    assert len(pids) == 5 and not leftovers(pids), leftovers(pids)

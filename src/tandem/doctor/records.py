@@ -188,7 +188,8 @@ class ReplacementCollectiveError(RuntimeError):
 
 
 def replacement_admitted(rank: int) -> None:
-    """This process is a replacement, admitted as ``rank`` into a running job: until
+    """This process is a replacement, launch rank ``rank`` (as ``tandem run`` names it),
+    admitted into a running job: until
     :func:`training_started`, a collective made outside the constructors whose collectives
     the members make too (:func:`members_sequence`: the Trainer's, ``tandem.recovery.Run``'s)
     raises :class:`ReplacementCollectiveError` naming the user's line that led to it (its own
