@@ -13,7 +13,7 @@ STEP, WHERE =
   (computed last): with ``--bucket-cap-mb`` small, the buckets of the later layers are
   all-reduced already (launched on every rank), the first layer's are not;
 - ``voted``: SIGKILL inside its backward right after its last gradient bucket's all-reduce
-  completed there (``tandem.recovery._after_vote``): the step's vote, which rides in that
+  completed there (``tandem.recovery.vote._after_vote``): the step's vote, which rides in that
   all-reduce, passed here, so every member had entered it;
 - ``commit``: SIGKILL after its backward (its vote passed: the others commit the step, apply it
   and meet the loss at the next one);
@@ -30,7 +30,7 @@ STEP, WHERE =
   their own word, wait in the formation for its address.
 
 ``--split RANK:STEP`` (repeatable) makes launch rank RANK raise as if its vote on step STEP had
-failed, right after it completed there (``tandem.recovery._after_vote``): the vote then
+failed, right after it completed there (``tandem.recovery.vote._after_vote``): the vote then
 completed on some members and not on others, as when a member dies in the middle of Gloo's ring.
 It first adds 1 to every gradient it holds: the vote rides in the gradient all-reduce, whose
 sum a failed ring leaves partial, so a rank that went on with its own gradients would end
@@ -92,6 +92,8 @@ from torch.utils.data import TensorDataset
 
 import tandem
 import tandem.recovery
+import tandem.recovery.membership
+import tandem.recovery.vote
 from tandem.checkpoint.rng import capture_rng_state, restore_rng_state, seed_rng
 from tandem.recovery import Run, newcomer_seed
 
@@ -185,10 +187,12 @@ def main() -> None:
                     if p.grad is not None:
                         p.grad.add_(1.0)
             Path(f"{args.out}.split-{me}").write_text(json.dumps({"step": step}))
-            raise tandem.recovery._Lost(f"test: rank {me}'s vote on step {step} 'failed'")
+            raise tandem.recovery.membership._Lost(
+                f"test: rank {me}'s vote on step {step} 'failed'"
+            )
 
     # Before the run is made: a replacement votes in its constructor (its take-over).
-    tandem.recovery._after_vote = after_vote
+    tandem.recovery.vote._after_vote = after_vote
     read_late(args.out, me, args.late_read)
     if args.replacement_barrier and tandem.recovery.replacing():
         dist.barrier()  # the script's own collective before training: refused on a replacement

@@ -123,7 +123,7 @@ def _reaped() -> dict:
 def _cycles() -> dict:
     """Rank r of 3 in the harness: :data:`CYCLES` re-forms with rank 2 stopped in each."""
     from tandem import _groups_reaper
-    from tandem.recovery import _abandon_group
+    from tandem.recovery.recoverer import _abandon_group
 
     rank = dist.get_rank()
     store = dist.distributed_c10d._get_default_store()  # outlives the harness's group
@@ -207,7 +207,7 @@ def _exiting(rank: int, port: int) -> None:
     and exits at once; prints its results as one JSON line."""
     import faulthandler
 
-    from tandem.recovery import _abandon_group
+    from tandem.recovery.recoverer import _abandon_group
 
     faulthandler.dump_traceback_later(HANG_S, exit=True)
     # Registered before the reaper's own exit hook, so run after it (last in, first out): what

@@ -30,10 +30,10 @@ from tandem.recovery import (
     PREFIX,
     Membership,
     MembershipError,
-    _Heartbeat,
     newest_slot,
     slot_to_write,
 )
+from tandem.recovery.heartbeat import _Heartbeat
 from tests.harness import free_port
 
 

@@ -99,7 +99,8 @@ def _vote(own):
     """A vote of an active rank (its store in memory), as a commit of step 4 left it."""
     import torch.distributed as dist
 
-    from tandem.recovery import Membership, Recoverer, _Sender
+    from tandem.recovery import Membership, Recoverer
+    from tandem.recovery.vote import _Sender
 
     store = dist.HashStore()
     recoverer = Recoverer()  # inactive here (one process): given members by hand

@@ -22,6 +22,7 @@ recovery; 3 ranks, one lost, 2 go on):
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -118,6 +119,8 @@ def test_a_survivor_whose_vote_failed_where_another_committed_takes_its_state(tm
     result = launch(3, tmp_path, "--kill", "2:5:step", "--split", "0:5", recover=True)
     lost = re.findall(r"^tandem run: rank (\d+) \(.*\) was lost", result.stderr, re.M)
     assert lost == ["2"], result.stderr[-3000:]
+    # Rank 0 did raise at the split (without it, the run ends the same as a plain kill's).
+    assert json.loads((tmp_path / "split-0.json").read_text()) == {"step": 5}
     summary = [line for line in result.stderr.splitlines() if "tandem run: recovery 1:" in line]
     assert len(summary) == 1 and "step 6 redone" in summary[0], result.stderr[-3000:]
     assert_same_run(final(tmp_path), oracle)

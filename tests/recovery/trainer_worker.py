@@ -15,9 +15,10 @@ in its training step once the world has shrunk: in the redo after another rank's
 loss before that redo commits) or ``handover`` (SIGKILL as it enters the hand-over of the run to
 a replacement, at any step: STEP is ``*``); ``--kill`` may be repeated. ``--split RANK:STEP``
 makes launch rank RANK raise as if its commit's vote of optimizer step STEP had failed, right
-after it completed there (``tandem.recovery._after_vote``, inside the backward: the vote rides
-in the gradient all-reduce), its gradients spoilt as a broken ring leaves them: a vote split
-between the survivors.
+after it completed there (``tandem.recovery.vote._after_vote``, inside the backward: the vote
+rides in the gradient all-reduce), its gradients spoilt as a broken ring leaves them: a vote
+split between the survivors; the rank writes ``RUN_DIR/split-<RANK>.json`` (the step) as it
+raises.
 ``--max-steps K`` trains K steps and stops (the oracle's first half: it saves at the end);
 ``--resume`` continues from the latest checkpoint (the second half, at another world size).
 ``--epochs E``: the run's ``max_epochs`` (default 2).
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import json
 import os
 import signal
 import time
@@ -47,6 +49,8 @@ from torch.utils.data import TensorDataset
 
 import tandem
 import tandem.recovery
+import tandem.recovery.membership
+import tandem.recovery.vote
 from tandem.checkpoint import checkpointer
 from tandem.train import run_state
 
@@ -91,9 +95,12 @@ def main() -> None:
                 for p in net.parameters():
                     if p.grad is not None:
                         p.grad.add_(1.0)
-            raise tandem.recovery._Lost(f"test: rank {me}'s vote {vote} 'failed'")
+            # Said where the test looks: a hook that stopped firing would leave a plain kill,
+            # whose run ends the same, and the split would go untested.
+            Path(args.run_dir, f"split-{me}.json").write_text(json.dumps({"step": vote - 1}))
+            raise tandem.recovery.membership._Lost(f"test: rank {me}'s vote {vote} 'failed'")
 
-    tandem.recovery._after_vote = split
+    tandem.recovery.vote._after_vote = split
     at, where = mine[0] if mine else ("-1", "")
     at = "-1" if at == "*" else at  # handover's: whichever step it comes at
     dies = bool(mine)

@@ -88,11 +88,11 @@ from tandem.recovery import (
     Recoverer,
     RngText,
     StateAfterVoteError,
-    _Lost,
     declare_unable,
     decode,
     enabled,
 )
+from tandem.recovery.membership import _Lost
 from tandem.train.precision import ScalerState
 from tandem.train.run_state import RunState
 from tandem.train.step import StepOutput, Update
