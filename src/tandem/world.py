@@ -244,20 +244,38 @@ def _join(
         timeout=timedelta(seconds=max(wait_s, 600.0)),
         use_libuv=True,
     )
-    admitted = join.ask_to_join(store, me, timeout_s=max(wait_s, 600.0))
+    from torch.distributed import distributed_c10d as c10d
+    from torch.distributed.constants import default_pg_timeout
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+    def form(admission: dict[str, Any], seconds: float) -> bool:
+        """The admitting generation's group, formed within ``seconds`` (as the members form
+        theirs: a member lost meanwhile fails it, and a re-form follows); its collectives
+        then wait ``timeout``."""
+        try:
+            dist.init_process_group(
+                backend or ("nccl" if device.type == "cuda" else "gloo"),
+                store=dist.PrefixStore(admission["prefix"], store),
+                rank=admission["rank"],
+                world_size=admission["world_size"],
+                timeout=timedelta(seconds=seconds),
+            )
+        except dist.DistError:
+            # Torch counted the group it failed to make, and a group's keys carry that count:
+            # the members start theirs from 0 again (tandem.recovery takes their groups down so).
+            c10d._world.group_count = 0
+            return False
+        _set_pg_timeout(timeout or default_pg_timeout)
+        return True
+
+    admitted = join.ask_to_join(store, me, timeout_s=max(wait_s, 600.0), form=form)
     # The world it joins may hold fewer processes than this node started (members of this node
     # lost): only the rank and the world size change, as for the members (:func:`reformed`).
     placement = dataclasses.replace(
         placement, rank=admitted["rank"], world_size=admitted["world_size"]
-    )
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group(
-        backend or ("nccl" if device.type == "cuda" else "gloo"),
-        store=dist.PrefixStore(admitted["prefix"], store),
-        rank=placement.rank,
-        world_size=placement.world_size,
-        timeout=timeout,
     )
     return _from_group(placement)
 

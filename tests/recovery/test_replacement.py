@@ -14,6 +14,7 @@ admission, and no process is left behind.
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -103,4 +104,45 @@ def test_a_replacement_whose_script_makes_a_collective_before_training_is_refuse
     (last,) = chains.get(resumes(3, [(2, 2), (first, 2), (second, 2)], EPOCHS))
     assert_equal_runs(run, torch.load(last, weights_only=True))
     pids = {int(p.read_text()) for p in tmp_path.glob("refused.pt.pid-*")}
+    assert len(pids) == 5 and not leftovers(pids), leftovers(pids)
+
+
+@pytest.mark.timeout(600)
+def test_a_member_lost_in_the_formation_that_admits_a_replacement(tmp_path, chains):
+    """Rank 1 is lost at step 1 and its replacement 3 queues; every rank waits at step 2 until
+    it has seen it (so step 2's vote admits it). As the generation that admits it forms, member
+    2 is SIGKILLed right after it said it is here: the others (rank 0, and rank 3 in its
+    ``tandem.init()``) wait in the formation, give up at its timeout (5 s), and re-form: rank
+    0 with rank 3 joining from its wait as one that holds nothing, handed the run there. Rank
+    2's replacement 4 is admitted after step 3 or later. The records tell it; the run ends where
+    "3 ranks to step 1, 2 to step 3, 3 from the last admission" ends, and nothing is left."""
+    out = tmp_path / "formed.pt"
+    flags = ("--recover", "in-memory", "--heartbeat-timeout", "2", "--max-restarts", "2")
+    result = run_worker(
+        3, out, *EPOCHS, "--kill", "1:1:forward", "--await", "2:1", "--kill", "2:3:form",
+        "--step-sleep", "0.15", flags=flags,
+    )  # fmt: skip
+    err = result.stderr
+    killed = json.loads(out.with_name(f"{out.name}.killed-2").read_text())
+    assert (killed["where"], killed["step"]) == ("form", 3), killed
+    run = torch.load(out, weights_only=True)
+    records = [(r["lost"], r["joined"], r["members"], r["step"]) for r in run["recoveries"]]
+    at = records[-1][3]
+    assert records == [
+        ([1], [], [0, 2], 1),
+        ([2], [3], [0, 3], 3),  # the admission's generation never formed: one record
+        ([], [4], [0, 3, 4], at),
+    ], run["recoveries"]
+    # Rank 4 queues while the others wait in the formation: the start commit of generation 3
+    # (ranks 0 and 3, after step 3) may already admit it.
+    assert 3 <= at < run["steps"] and run["world_size"] == 3
+    recovery = run["recoveries"][1]
+    assert recovery["recovered_s"] < 5 + 5, recovery  # the formation's timeout, not 60 s
+    assert "recovery 2: rank 2 (killed by SIGKILL) lost at step 3" in err, err[-3000:]
+
+    # A resume at each step where a group formed and trained (a new tandem.DDP there).
+    sizes = [(1, 2), (3, 2), (at, 3)] if at > 3 else [(1, 2), (3, 3)]
+    (last,) = chains.get(resumes(3, sizes, EPOCHS))
+    assert_equal_runs(run, torch.load(last, weights_only=True))
+    pids = {int(p.read_text()) for p in tmp_path.glob("formed.pt.pid-*")}
     assert len(pids) == 5 and not leftovers(pids), leftovers(pids)

@@ -15,6 +15,8 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+from torch.distributed.constants import default_pg_timeout
 
 from tandem.world import World, init, shutdown, world
 from tests.harness import free_port, run_ranks
@@ -118,15 +120,23 @@ def test_a_replacement_joins_a_world_smaller_than_its_nodes_process_count(monkey
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(store.port))
     admission = {"rank": 2, "world_size": 3, "prefix": "gen2/pg/"}
-    monkeypatch.setattr(tandem_world.join, "ask_to_join", lambda *a, **k: admission)
+
+    def ask_to_join(store, me, timeout_s, form):  # admitted; the group forms within 5 s
+        assert form(admission, 5.0)
+        return admission
+
+    monkeypatch.setattr(tandem_world.join, "ask_to_join", ask_to_join)
     formed: dict = {}
     monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: formed.update(kw))
+    timeouts: list = []  # the collectives' timeout, set once formed
+    monkeypatch.setattr(c10d, "_set_pg_timeout", timeouts.append)
     monkeypatch.setattr(dist, "get_rank", lambda: formed["rank"])
     monkeypatch.setattr(dist, "get_world_size", lambda: formed["world_size"])
     monkeypatch.setattr(dist, "get_backend", lambda: "gloo")
     env = {"RANK": "5", "WORLD_SIZE": "6", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4"}
     joined = tandem_world._join(5, placement_from_env(env), torch.device("cpu"), None, None, 1.0)
     assert (formed["rank"], formed["world_size"]) == (2, 3)
+    assert formed["timeout"] == timedelta(seconds=5.0) and timeouts == [default_pg_timeout]
     assert (joined.rank, joined.world_size, joined.local_rank, joined.local_world_size) == (
         2,
         3,

@@ -100,13 +100,39 @@ def replacing() -> bool:
     return admitted is not None
 
 
-def ask_to_join(store: Any, me: int, timeout_s: float) -> dict[str, Any]:
+def formation_timeout(heartbeat_timeout: float) -> float:
+    """Seconds a generation's group may take to form (every member's address and connections)
+    before its members re-form: twice the heartbeat timeout, 5 s at least. The group's
+    collectives wait longer (six heartbeat timeouts, 60 s at least: a slow step is no loss).
+
+    Example::
+
+        >>> formation_timeout(2.0), formation_timeout(10.0)
+        (5.0, 20.0)
+    """
+    return max(5.0, 2 * heartbeat_timeout)
+
+
+def ask_to_join(
+    store: Any,
+    me: int,
+    timeout_s: float,
+    form: Callable[[dict[str, Any], float], bool] | None = None,
+) -> dict[str, Any]:
     """Queue launch rank ``me`` to join and wait (up to ``timeout_s``) until the members admit
-    it; what they admitted it with (also kept in :data:`admitted`).
+    it; what they admitted it with (also kept in :data:`admitted`). ``form(admission,
+    seconds)``, once every member said it is here, forms the group within that many seconds
+    and says whether it did: a member lost before its part of the formation makes it fail,
+    and this rank joins the survivors' re-form (as it does when a member is lost before it
+    said it is here).
 
     Raises:
         TimeoutError: no admission within ``timeout_s`` (the job ended, or every member is
             stuck).
+
+    Example::
+
+        admission = ask_to_join(store, 4, timeout_s=600, form=lambda a, s: form_group(a, s))
     """
     global admitted
     keys = prefix()
@@ -121,6 +147,12 @@ def ask_to_join(store: Any, me: int, timeout_s: float) -> dict[str, Any]:
             "may have ended before its next step boundary)"
         ) from error
     admission = json.loads(store.get(answer))
+    # Admitted, it is a member the others may go on with in memory if one of them is lost
+    # while it forms the group with them (it joins their re-form from here), and one that
+    # admits replacements as they do: said now, for the launcher, before its Recoverer says
+    # it again (or refuses a script that differs from theirs).
+    store.set(f"{keys}able/{me}", "1")
+    store.set(f"{keys}admits/{me}", "1")
     beat_s = float(os.environ.get(HEARTBEAT_TIMEOUT_VARIABLE) or 10.0)
     while True:
         g, members = int(admission["generation"]), [int(r) for r in admission["members"]]
@@ -128,8 +160,9 @@ def ask_to_join(store: Any, me: int, timeout_s: float) -> dict[str, Any]:
             store, f"{keys}gen{g}/", me, members, partial(silent_or_dead, store, members, me),
             timeout_s=max(60.0, 6 * beat_s),
         )  # fmt: skip
-        if not gone:
+        if not gone and (form is None or form(admission, formation_timeout(beat_s))):
             break
+        why = f"rank(s) {sorted(gone)}" if gone else "a member (its group did not form in time)"
         # A member of the generation that admitted this rank was lost before its group was
         # formed: the survivors re-form it, with this rank as a member that holds nothing yet.
         store.set(
@@ -141,7 +174,7 @@ def ask_to_join(store: Any, me: int, timeout_s: float) -> dict[str, Any]:
         members = [int(r) for r in json.loads(store.get(decided))]
         if me not in members:
             raise RuntimeError(
-                f"replacement rank {me}: rank(s) {sorted(gone)} of the generation that admitted "
+                f"replacement rank {me}: {why} of the generation that admitted "
                 f"it were lost before it started, and the others went on without it (members "
                 f"{members}); it stops here"
             )

@@ -113,11 +113,11 @@ Example::
 
 from __future__ import annotations
 
-from tandem.job.join import replacing
+from tandem.job.join import formation_timeout, replacing
 from tandem.recovery.commits import OWN_SLOTS, CommitKey, commit_key, newest_slot, slot_to_write
 from tandem.recovery.heartbeat import cut_off_message
 from tandem.recovery.membership import Membership, MembershipError, Recovery
-from tandem.recovery.recoverer import Recoverer, formation_timeout
+from tandem.recovery.recoverer import Recoverer
 from tandem.recovery.run import Run
 from tandem.recovery.state import RngText, decode, encode, newcomer_seed
 from tandem.recovery.store import (

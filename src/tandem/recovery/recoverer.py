@@ -463,8 +463,9 @@ class Recoverer:
         if self._unformed is not None:
             # The last generation decided never formed (a member lost meanwhile): its losses,
             # detection and start are this one's.
-            before, detected, noticed = self._unformed
+            before, first, noticed = self._unformed
             lost = [*before, *lost]
+            detected = first if first is not None else detected
         try:
             g = self._form_group(release)
         except _Lost:
@@ -582,7 +583,7 @@ class Recoverer:
         # for its address or its connections: bounded by the formation's own timeout, not by
         # the collectives' (set once formed), and a re-form follows. A member merely slow
         # to form makes that re-form keep every member.
-        formation = formation_timeout(members.heartbeat_timeout)
+        formation = join.formation_timeout(members.heartbeat_timeout)
         try:
             dist.init_process_group(
                 backend,
@@ -663,19 +664,6 @@ def _abandon_group() -> None:
         _groups_reaper.keep(groups)
     else:
         _groups_reaper.reap(groups)  # takes the last references: none may stay in this frame
-
-
-def formation_timeout(heartbeat_timeout: float) -> float:
-    """Seconds a generation's group may take to form (every member's address and connections)
-    before the members re-form: twice the heartbeat timeout, 5 s at least. The group's
-    collectives wait longer (six heartbeat timeouts, 60 s at least: a slow step is no loss).
-
-    Example::
-
-        >>> formation_timeout(2.0), formation_timeout(10.0)
-        (5.0, 20.0)
-    """
-    return max(5.0, 2 * heartbeat_timeout)
 
 
 def _any_key(store: dist.Store, prefix: str, ranks: list[int]) -> bool:
