@@ -315,6 +315,10 @@ class InMemory:
         assert members is not None
         if members.me in members.newcomers:  # one that holds nothing yet: it is handed the run
             self._take_over(trainer, reformed=True)
+            # Its generators as the members start theirs (train() did so at its start, but the
+            # new generation may put it in another old rank's place).
+            trainer.state.restore_rng()
+            self.rng.forget()
             self._reformed = False
             return self.start(trainer)
         if recoverer.behind:  # its vote completed on others, not here: the step is theirs
