@@ -21,12 +21,13 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from tandem._dist import group_rank, group_size
+from tandem.job import join
 from tandem.job.secret import key_scope
 
 #: The environment variable ``tandem run --recover in-memory`` sets in every worker.
 MODE_VARIABLE = "TANDEM_RECOVER"
 #: Seconds without a heartbeat after which a rank counts as hung, unless the launcher says.
-HEARTBEAT_TIMEOUT_VARIABLE = "TANDEM_HEARTBEAT_TIMEOUT"
+HEARTBEAT_TIMEOUT_VARIABLE = join.HEARTBEAT_TIMEOUT_VARIABLE  # a replacement reads it there too
 DEFAULT_HEARTBEAT_TIMEOUT_S = 10.0
 #: Every key of the protocol lives under this prefix of the job's store (in the job secret's
 #: scope, as the launcher writes its keys: a client without the secret can forge none).

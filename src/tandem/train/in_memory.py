@@ -201,6 +201,20 @@ class InMemory:
         self.commit(trainer, trainer.state.step)
         return redo
 
+    def begin(self, trainer: Trainer) -> bool:
+        """``train()`` starts: :meth:`start`, and a member lost before its commit completed
+        (a replacement's start, say) recovers (:meth:`recover`). Whether the boundary of the
+        last step is to be done (again) first."""
+        try:
+            return self.start(trainer)
+        except MembershipError:
+            raise
+        except Exception as error:
+            if not self.lost(error):
+                raise
+        # Outside the except block: the failed collective's frames are gone first.
+        return self.recover(trainer)
+
     def attach(self, trainer: Trainer) -> None:
         """Let the commit's vote ride in the engine's gradient all-reduce (again after the
         engine was built anew): the engine's wrapper carries it, and the Trainer's backward
@@ -290,7 +304,6 @@ class InMemory:
         assert self.recoverer is not None and self.recoverer.members is not None
         self.growing = 0  # the queue stays: the new generation's next commit names it again
         while True:
-            failed = False
             try:
                 return self._recover(trainer)
             except MembershipError:
@@ -298,10 +311,8 @@ class InMemory:
             except Exception as error:  # a member lost before the new generation committed
                 if not self.lost(error):
                     raise
-                failed = True
-            # Outside the except block: the failed collective's frames are gone first.
-            if failed:
-                self._reformed = False
+            # Outside the except block (the failed collective's frames are gone): again.
+            self._reformed = False
 
     def _recover(self, trainer: Trainer) -> bool:
         recoverer = self.recoverer
@@ -426,22 +437,19 @@ class InMemory:
         recoverer = self.recoverer
         assert recoverer is not None and recoverer.members is not None
         while True:
-            failed = False
             try:
                 if reformed:
                     # The members' collectives after their re-form (_recover), in their order.
                     trainer._build_world(log_from=trainer.state.step)
                     self.attach(trainer)
                 handed, owns = recoverer.hand_over(None)
+                break
             except MembershipError:
                 raise
             except Exception as error:
                 if not recoverer.lost(error):
                     raise
-                failed = True
             # Outside the except block: the failed collective's frames are gone first.
-            if not failed:
-                break
             self._reform(trainer, trainer.state.step)
             reformed = True
         trainer.optimizer.load_state_dict(handed["optimizer"])
@@ -459,17 +467,14 @@ class InMemory:
         recoverer = self.recoverer
         assert recoverer is not None
         while True:
-            failed = False
             try:
                 recoverer.reform(step, trainer._release_world, ahead)
+                return
             except MembershipError:
                 raise
             except Exception as error:  # a member lost before the new group formed: again
                 if not recoverer.lost(error):
                     raise
-                failed = True
-            if not failed:
-                return
 
     def committed(self) -> None:
         if self.recoverer is not None:

@@ -445,20 +445,10 @@ class Trainer:
         run.requests.discard()  # one an earlier train() sent before it raised
         records.training_started()  # a replacement makes the members' collectives from here
         stopped: Decision | None = None
-        redo, lost = False, False
-        try:
-            # True for a replacement handed the run within a re-form: the boundary of the step
-            # the members went back to comes first, as theirs does.
-            redo = self._in_memory.start(self)
-        except MembershipError:
-            raise
-        except Exception as error:  # a replacement's start: a member lost before it committed
-            if not self._in_memory.lost(error):
-                raise
-            lost = True
-        if lost:
-            redo = self._in_memory.recover(self)
-            run = self.state
+        # True for a replacement handed the run within a re-form: the boundary of the step the
+        # members went back to comes first, as theirs does.
+        redo = self._in_memory.begin(self)
+        run = self.state  # built anew if a loss in the start's commit was recovered
         with run.requests.signals():
             while not plan.finished(epoch=run.epoch, step=run.step) and stopped is None:
                 lost = False
